@@ -1,0 +1,1 @@
+"""Torch-free engine policy: sequences, the paged block manager and the scheduler."""

@@ -1,0 +1,160 @@
+"""Continuous batching under a token budget, with chunked prefill and preemption.
+
+Each step packs, under max_num_batched_tokens and max_num_seqs:
+  1. running sequences, oldest first: one token for a decode, the rest of the prompt
+     (or as much as the budget allows) for a prefill in progress;
+  2. waiting sequences, first come first served, starting after their cached prefix,
+     as long as the budget, the sequence limit and free blocks allow.
+A running sequence that cannot get a block preempts the newest running sequence
+(recompute: its blocks are freed and it goes back to the front of the queue), itself
+if it is the newest. No new sequence is admitted in a step that preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from nanokv.engine.block_manager import BlockManager
+from nanokv.engine.sequence import Sequence, SequenceStatus
+from nanokv.engine.types import ScheduledBatch, ScheduledSeq, StepOutput
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 eos_token_ids: Iterable[int] = ()):
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling -------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        batch = ScheduledBatch()
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
+                preempted = True
+                victim = self.running.pop()  # newest; never one already scheduled (index >= i)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self._add_to_batch(batch, seq, n)
+                budget -= n
+                i += 1
+
+        if not preempted:
+            budget = self._admit_waiting(batch, budget)
+        return batch
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = bm.find_cached_prefix(seq)
+            # A prompt entirely in cache still recomputes its last token, for its logits.
+            num_cached = min(len(cached) * bm.block_size, seq.num_tokens - 1)
+            n = min(seq.num_tokens - num_cached, budget)
+            if not bm.allocate(seq, num_cached + n, cached):
+                break
+            if bm.enable_prefix_caching:
+                bm.record_lookup(seq.num_tokens, num_cached)
+            seq.num_computed_tokens = num_cached
+            seq.num_cached_tokens = num_cached
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add_to_batch(batch, seq, n)
+            budget -= n
+        return budget
+
+    def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        start = seq.num_computed_tokens
+        batch.seqs.append(ScheduledSeq(
+            seq_id=seq.seq_id,
+            token_ids=seq.token_ids[start:start + n],
+            start_pos=start,
+            block_table=seq.block_table,
+            sample=start + n == seq.num_tokens,
+            temperature=seq.params.temperature,
+            seed=seq.params.seed,
+            num_generated=seq.num_output_tokens,
+        ))
+        batch.num_tokens += n
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # ---- results ------------------------------------------------------------------------
+    def update(self, batch: ScheduledBatch, output: StepOutput) -> list[Sequence]:
+        """Apply one step's results; returns the sequences that finished (blocks freed)."""
+        by_id = {seq.seq_id: seq for seq in self.running}
+        sampled = iter(output.sampled_token_ids)
+        finished: list[Sequence] = []
+        for item in batch.seqs:
+            seq = by_id[item.seq_id]
+            seq.num_computed_tokens += len(item.token_ids)
+            self.block_manager.cache_full_blocks(seq)
+            if item.sample:
+                seq.token_ids.append(next(sampled))
+                if self._check_stop(seq):
+                    finished.append(seq)
+        if finished:
+            for seq in finished:
+                self._finish(seq)
+            self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+        return finished
+
+    def _check_stop(self, seq: Sequence) -> bool:
+        token = seq.token_ids[-1]
+        if token in seq.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif not seq.params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif seq.num_output_tokens >= seq.max_tokens:
+            seq.finish_reason = "length"
+        else:
+            return False
+        return True
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.free(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a sequence wherever it is; its blocks are freed at once."""
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            return
+        seq.finish_reason = "abort"
+        self._finish(seq)

@@ -1,0 +1,73 @@
+"""One request's tokens, progress and pages."""
+
+from __future__ import annotations
+
+import enum
+from itertools import count
+
+from nanokv.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_ids = count()
+
+
+class Sequence:
+    """A request in flight.
+
+    token_ids holds prompt + generated tokens. num_computed_tokens counts the leading
+    tokens whose K/V sits in the pages of block_table; the scheduler advances it as
+    prefill chunks and decodes run, and resets it to 0 on preemption (recompute).
+    block_hashes caches the chained hash of each full block of token_ids (tokens never
+    change, so the hashes stay valid across preemption).
+    """
+
+    __slots__ = (
+        "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
+        "block_table", "block_hashes", "num_hashed_blocks", "status", "params", "max_tokens",
+        "stop_token_ids", "finish_reason", "stop_reason", "num_cached_tokens", "arrival",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 max_tokens: int):
+        self.seq_id = next(_seq_ids)
+        self.arrival = self.seq_id
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []
+        self.num_hashed_blocks = 0  # leading blocks of block_table already in the prefix cache
+        self.status = SequenceStatus.WAITING
+        self.params = params
+        self.max_tokens = max_tokens  # params.max_tokens clamped to fit max_model_len
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table}, {self.status.value})")

@@ -1,0 +1,1 @@
+"""Building blocks of the models: linear layers, norms, rotary, activations, head, sampler."""

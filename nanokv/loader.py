@@ -1,0 +1,103 @@
+"""safetensors checkpoints (single file or sharded) -> model parameters.
+
+Every parameter (and every shard of a fused one) must be filled exactly once; a
+missing or unexpected tensor is a ValueError that names it.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from nanokv.layers.linear import default_weight_loader
+
+# Buffers some checkpoints carry that the model recomputes itself.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def weight_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ValueError(f"{index} lists shard files that are missing: {missing}")
+        return files
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        other = [os.path.basename(p) for p in glob.glob(os.path.join(model_dir, "*.bin"))
+                 + glob.glob(os.path.join(model_dir, "*.pt"))]
+        hint = f" (found {other}: convert them to safetensors)" if other else ""
+        raise ValueError(f"no *.safetensors weights in {model_dir}{hint}")
+    return files
+
+
+def load_weights(model: nn.Module, model_dir: str) -> None:
+    params = dict(model.named_parameters())  # tied weights appear once
+    for name, p in params.items():
+        p.nanokv_name = name
+    expected = {(name, shard) for name, p in params.items() for shard in getattr(p, "shard_ids", (None,))}
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    packed = getattr(model, "packed_modules", {})
+    loaded: set[tuple[str, str | None]] = set()
+    unexpected: list[str] = []
+    for path in weight_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for ckpt_name in f.keys():
+                if ckpt_name.endswith(_IGNORED_SUFFIXES) or (tied and ckpt_name == "lm_head.weight"):
+                    continue
+                name, shard = _map_name(ckpt_name, packed)
+                param = params.get(name)
+                if param is None or (name, shard) not in expected:
+                    unexpected.append(ckpt_name)
+                    continue
+                if (name, shard) in loaded:
+                    raise ValueError(f"checkpoint tensor {ckpt_name} appears twice in {model_dir}")
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                loader(param, f.get_tensor(ckpt_name), shard)
+                loaded.add((name, shard))
+    if unexpected:
+        raise ValueError(f"unexpected tensors in {model_dir} for {type(model).__name__}: "
+                         f"{sorted(unexpected)[:20]}")
+    missing = sorted(_ckpt_name(name, shard) for name, shard in expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} is missing tensors: {missing[:20]}")
+
+
+def _map_name(ckpt_name: str, packed: dict[str, str]) -> tuple[str, str | None]:
+    """'...self_attn.k_proj.weight' -> ('...self_attn.qkv_proj.weight', 'k_proj')."""
+    parts = ckpt_name.split(".")
+    for i, part in enumerate(parts):
+        if part in packed:
+            parts[i] = packed[part]
+            return ".".join(parts), part
+    return ckpt_name, None
+
+
+def _ckpt_name(name: str, shard: str | None) -> str:
+    if shard is None:
+        return name
+    parts = name.split(".")
+    return ".".join(shard if i == len(parts) - 2 else p for i, p in enumerate(parts))
+
+
+@torch.no_grad()
+def build_model(model_cls, hf_config, model_dir: str, dtype: torch.dtype, device: torch.device,
+                max_positions: int) -> nn.Module:
+    """Instantiate on the target device and dtype (no random init), then load weights."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(hf_config, max_positions)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    load_weights(model, model_dir)
+    return model.to(device).eval()

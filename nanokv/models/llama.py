@@ -1,0 +1,119 @@
+"""Llama-family decoder (Llama 2/3/3.1); Qwen2 and Qwen3 are configurations of it.
+
+Differences the family needs: Qwen2 adds a q/k/v bias, Qwen3 normalises q and k per
+head (RMSNorm over head_dim) before rotary, Llama may carry attention/MLP biases.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanokv.attention.base import AttentionMetadata
+from nanokv.layers.activation import SiluAndMul
+from nanokv.layers.attention import Attention
+from nanokv.layers.embedding import Embedding, LMHead
+from nanokv.layers.linear import Linear, PackedLinear
+from nanokv.layers.norm import RMSNorm
+from nanokv.layers.rotary import RotaryEmbedding
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = head_dim(cfg)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = PackedLinear(cfg.hidden_size, [q_size, kv_size, kv_size],
+                                     ["q_proj", "k_proj", "v_proj"], bias=qkv_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v, meta)  # [T, Hq, D]
+        return self.o_proj(o.reshape(T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool):
+        super().__init__()
+        self.gate_up_proj = PackedLinear(hidden, [intermediate, intermediate],
+                                         ["gate_proj", "up_proj"], bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, rotary, qkv_bias, o_bias, qk_norm, mlp_bias):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DecoderAttention(cfg, rotary, qkv_bias, o_bias, qk_norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, mlp_bias)
+
+    def forward(self, positions, x, meta):
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg, max_positions, qkv_bias, o_bias, qk_norm, mlp_bias):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg, head_dim(cfg), max_positions)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, rotary, qkv_bias, o_bias, qk_norm, mlp_bias)
+            for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """HF checkpoint names map onto ours: q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj."""
+
+    packed_modules = {
+        "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+        "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
+    }
+
+    def __init__(self, cfg, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, max_positions, **self.variant(cfg))
+        tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, self.model.embed_tokens if tied else None)
+
+    @staticmethod
+    def variant(cfg) -> dict:
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return dict(qkv_bias=bias, o_bias=bias, qk_norm=False, mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)  # [T, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # [N, vocab] float32
+
+
+def head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -1,0 +1,1 @@
+"""Turns ScheduledBatches into tensors, runs the model, samples."""

@@ -1,0 +1,69 @@
+"""KV pool sizing (memory budget -> number of blocks) and the per-layer K/V tensors."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from nanokv.config import EngineConfig
+
+logger = logging.getLogger("nanokv")
+
+_CPU_DEFAULT_BUDGET = 4 << 30  # bytes; capped at half the RAM available at start-up
+
+
+def bytes_per_block(config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    elem = torch.empty(0, dtype=config.dtype).element_size()
+    return 2 * num_layers * config.block_size * num_kv_heads * head_dim * elem
+
+
+def available_cpu_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def num_kv_blocks(config: EngineConfig, block_bytes: int) -> int:
+    """Pool size in blocks; ValueError, naming the knob, when one max_model_len sequence
+    does not fit."""
+    if config.num_kvcache_blocks is not None:
+        num_blocks, knob = config.num_kvcache_blocks, "num_kvcache_blocks"
+    elif config.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(config.device)
+        # weights are loaded; leave room for activations of a full batch (~10% of the rest)
+        budget = int(config.gpu_memory_utilization * total) - (total - free)
+        budget = int(budget * 0.9)
+        if config.kv_cache_memory_bytes is not None:
+            budget = min(budget, config.kv_cache_memory_bytes)
+        num_blocks, knob = max(budget, 0) // block_bytes, "gpu_memory_utilization"
+    else:
+        budget = config.kv_cache_memory_bytes
+        knob = "kv_cache_memory_bytes"
+        if budget is None:
+            budget = min(_CPU_DEFAULT_BUDGET, available_cpu_memory() // 2)
+        num_blocks = budget // block_bytes
+    capacity = num_blocks * config.block_size
+    if capacity < config.max_model_len:
+        raise ValueError(
+            f"the KV cache pool holds {capacity} tokens ({num_blocks} blocks of "
+            f"{config.block_size}) but one max_model_len={config.max_model_len} sequence must "
+            f"fit; raise {knob} or lower max_model_len (to at most {capacity})")
+    return num_blocks
+
+
+def allocate_kv_cache(config: EngineConfig, num_blocks: int, num_layers: int, num_kv_heads: int,
+                      head_dim: int) -> torch.Tensor:
+    """One tensor [layers, 2 (K, V), num_blocks, block_size, Hkv, D]; layers take views."""
+    cache = torch.zeros(num_layers, 2, num_blocks, config.block_size, num_kv_heads, head_dim,
+                        dtype=config.dtype, device=config.device)
+    gib = cache.numel() * cache.element_size() / (1 << 30)
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB", num_blocks,
+                config.block_size, num_blocks * config.block_size, gib)
+    return cache
