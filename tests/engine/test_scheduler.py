@@ -1,0 +1,203 @@
+"""Scheduler: continuous batching, budgets, chunked prefill, preemption, prefix hits.
+
+Driven by FakeRunner, which keeps tokens in the paged slots and reads them back, so a
+wrong block table changes the output just as it would with a real KV cache.
+"""
+
+from collections import Counter
+
+from nanokv.engine.block_manager import BlockManager
+from nanokv.engine.scheduler import Scheduler, SchedulerConfig
+from nanokv.engine.sequence import Sequence, SequenceStatus
+from nanokv.sampling_params import SamplingParams
+
+from .fake_runner import FakeRunner, reference_generate
+
+
+def make_engine(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_model_len=64,
+                prefix_caching=True, eos=()):
+    bm = BlockManager(num_blocks, block_size, prefix_caching)
+    sched = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), bm, eos)
+    return sched, FakeRunner(num_blocks, block_size)
+
+
+def add(sched, prompt, max_tokens, **kw):
+    seq = Sequence(str(len(sched.waiting) + len(sched.running)), list(prompt),
+                   SamplingParams(temperature=0, max_tokens=max_tokens, **kw), max_tokens)
+    sched.add(seq)
+    return seq
+
+
+def check_invariants(sched):
+    bm = sched.block_manager
+    holders = Counter(b for seq in sched.running for b in seq.block_table)
+    for block in bm.blocks:
+        assert block.ref_count == holders.get(block.block_id, 0), block
+        assert (block.ref_count == 0) == (block.block_id in bm.free_queue), block
+    for h, block_id in bm.cached.items():
+        assert bm.blocks[block_id].block_hash == h
+    for seq in sched.waiting:
+        assert seq.block_table == [] and seq.num_computed_tokens == 0
+    for seq in sched.running:
+        assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens
+
+
+def run(sched, runner, max_steps=10_000):
+    batches = []
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        batches.append(batch)
+        sched.update(batch, runner.execute(batch))
+        check_invariants(sched)
+        assert len(batches) < max_steps
+    bm = sched.block_manager
+    assert bm.num_free_blocks == bm.num_blocks  # nothing leaked
+    return batches
+
+
+def test_continuous_batching_matches_reference_and_respects_limits():
+    sched, runner = make_engine(max_num_seqs=3, budget=16)
+    prompts = [[i + 1] * (3 + 5 * i) for i in range(7)]
+    seqs = [add(sched, p, max_tokens=4 + i) for i, p in enumerate(prompts)]
+    batches = run(sched, runner)
+    for seq, p in zip(seqs, prompts):
+        assert seq.output_token_ids == reference_generate(p, seq.max_tokens)
+        assert seq.finish_reason == "length" and seq.status is SequenceStatus.FINISHED
+    assert all(len(b.seqs) <= 3 and b.num_tokens <= 16 for b in batches)
+    assert max(len(b.seqs) for b in batches) == 3
+
+
+def test_long_prompt_is_chunked_and_decodes_go_first():
+    sched, runner = make_engine(budget=8, max_model_len=64)
+    short = add(sched, [1, 2], max_tokens=10)
+    sched.update(b := sched.schedule(), runner.execute(b))  # short prefilled, now decoding
+    long = add(sched, list(range(3, 33)), max_tokens=2)  # 30 tokens: 4 chunks of <= 8
+    chunks = []
+    while long.status is not SequenceStatus.FINISHED:
+        batch = sched.schedule()
+        if not short.is_finished:
+            assert batch.seqs[0].seq_id == short.seq_id and len(batch.seqs[0].token_ids) == 1
+        chunks += [len(s.token_ids) for s in batch.seqs if s.seq_id == long.seq_id]
+        sched.update(batch, runner.execute(batch))
+    assert chunks == [7, 7, 7, 7, 2, 1]  # 30 prompt tokens beside one decode, then a decode
+    assert long.output_token_ids == reference_generate(list(range(3, 33)), 2)
+    run(sched, runner)
+    assert short.output_token_ids == reference_generate([1, 2], 10)
+
+
+def test_preemption_under_a_tiny_pool_recomputes_correctly():
+    sched, runner = make_engine(num_blocks=16, block_size=4, max_num_seqs=8, budget=64, max_model_len=64)
+    prompts = [[(7 * i + j) % 50 for j in range(10 + 3 * i)] for i in range(6)]
+    seqs = [add(sched, p, max_tokens=20) for p in prompts]
+    run(sched, runner)
+    assert sched.num_preemptions > 0
+    for seq, p in zip(seqs, prompts):
+        assert seq.output_token_ids == reference_generate(p, 20)
+
+
+def test_newest_request_preempts_itself_without_crashing():
+    # Pool of 4 blocks x 4 tokens. A (older) holds 3 blocks; B (newest) fills its only
+    # block and needs a second one while A still runs: B must preempt itself, not A.
+    sched, runner = make_engine(num_blocks=4, block_size=4, budget=64, max_model_len=16)
+    a = add(sched, list(range(1, 10)), max_tokens=6)  # grows to 15 tokens: 4 blocks at the end
+    b = add(sched, [40, 41, 42], max_tokens=6)
+    preempted_b = False
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        if b.status is SequenceStatus.WAITING and b.output_token_ids and not preempted_b:
+            preempted_b = True
+            assert a.status is SequenceStatus.RUNNING
+        sched.update(batch, runner.execute(batch))
+        check_invariants(sched)
+    assert preempted_b and sched.num_preemptions >= 1
+    assert a.output_token_ids == reference_generate(list(range(1, 10)), 6)
+    assert b.output_token_ids == reference_generate([40, 41, 42], 6)
+
+
+def test_lone_request_filling_the_pool_finishes():
+    sched, runner = make_engine(num_blocks=4, block_size=4, max_model_len=16)
+    seq = add(sched, [1, 2, 3], max_tokens=13)  # exactly max_model_len tokens in the end
+    run(sched, runner)
+    assert seq.num_tokens == 16 and seq.finish_reason == "length"
+    assert sched.num_preemptions == 0
+
+
+def test_fully_cached_prompt_recomputes_only_its_last_token():
+    sched, runner = make_engine(block_size=4)
+    prompt = list(range(1, 9))  # two full blocks
+    first = add(sched, prompt, max_tokens=3)
+    run(sched, runner)
+    again = add(sched, prompt, max_tokens=3)
+    batch = sched.schedule()
+    (item,) = batch.seqs
+    assert item.start_pos == 7 and item.token_ids == [8] and item.sample
+    assert again.num_cached_tokens == 7
+    assert item.block_table[:2] == first_blocks(sched, prompt)
+    sched.update(batch, runner.execute(batch))
+    run(sched, runner)
+    assert again.output_token_ids == first.output_token_ids == reference_generate(prompt, 3)
+    assert sched.block_manager.hit_tokens == 7
+
+
+def first_blocks(sched, prompt):
+    bm = sched.block_manager
+    probe = Sequence("probe", prompt, SamplingParams(), 1)
+    return bm.find_cached_prefix(probe)
+
+
+def test_shared_prefix_hits_after_first_request_finishes():
+    sched, runner = make_engine(block_size=4)
+    prefix = list(range(1, 13))  # three blocks
+    a = add(sched, prefix + [20, 21], max_tokens=2)
+    run(sched, runner)
+    b = add(sched, prefix + [30], max_tokens=2)
+    run(sched, runner)
+    assert b.num_cached_tokens == 12
+    assert b.output_token_ids == reference_generate(prefix + [30], 2)
+    assert a.output_token_ids == reference_generate(prefix + [20, 21], 2)
+
+
+def test_eos_and_stop_tokens_finish_and_free_in_the_same_step():
+    sched, runner = make_engine(eos=[reference_generate([5, 6, 7], 1)[0]])
+    seq = add(sched, [5, 6, 7], max_tokens=10)
+    batch = sched.schedule()
+    finished = sched.update(batch, runner.execute(batch))
+    assert finished == [seq] and seq.finish_reason == "stop" and seq.stop_reason is None
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+    ignoring = add(sched, [5, 6, 7], max_tokens=3, ignore_eos=True)
+    run(sched, runner)
+    assert ignoring.finish_reason == "length" and len(ignoring.output_token_ids) == 3
+
+    target = reference_generate([5, 6, 7], 3)[2]
+    stopped = add(sched, [5, 6, 7], max_tokens=10, ignore_eos=True, stop_token_ids=[target])
+    run(sched, runner)
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == target
+    assert stopped.output_token_ids[-1] == target
+
+
+def test_abort_frees_blocks_at_once():
+    sched, runner = make_engine()
+    a = add(sched, list(range(1, 20)), max_tokens=30)
+    b = add(sched, [3, 4, 5], max_tokens=5)
+    batch = sched.schedule()
+    sched.update(batch, runner.execute(batch))
+    used = sched.block_manager.num_blocks - sched.block_manager.num_free_blocks
+    sched.abort(a)
+    assert a.finish_reason == "abort" and a.block_table == []
+    assert sched.block_manager.num_blocks - sched.block_manager.num_free_blocks == used - 5
+    run(sched, runner)
+    assert b.output_token_ids == reference_generate([3, 4, 5], 5)
+
+
+def test_prefix_caching_off_gives_same_outputs():
+    outs = []
+    for caching in (True, False):
+        sched, runner = make_engine(num_blocks=20, prefix_caching=caching)
+        prompts = [list(range(1, 13)) + [i] for i in range(5)]
+        seqs = [add(sched, p, max_tokens=6) for p in prompts]
+        run(sched, runner)
+        outs.append([s.output_token_ids for s in seqs])
+        if not caching:
+            assert sched.block_manager.hit_tokens == 0 and sched.block_manager.cached == {}
+    assert outs[0] == outs[1]
