@@ -47,7 +47,10 @@ def num_kv_blocks(config: EngineConfig, block_bytes: int) -> int:
         budget = config.kv_cache_memory_bytes
         knob = "kv_cache_memory_bytes"
         if budget is None:
-            budget = min(_CPU_DEFAULT_BUDGET, available_cpu_memory() // 2)
+            # 4 GiB (vLLM's CPU default), at most half the free RAM, and no more than
+            # max_num_seqs full-length sequences could ever use
+            most = config.max_num_seqs * -(-config.max_model_len // config.block_size) * block_bytes
+            budget = min(_CPU_DEFAULT_BUDGET, available_cpu_memory() // 2, most)
         num_blocks = budget // block_bytes
     capacity = num_blocks * config.block_size
     if capacity < config.max_model_len:

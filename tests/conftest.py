@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny random-weight checkpoints written by transformers, and HF references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanokv.tiny import build_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(shape, **overrides) -> directory; built once per session per argument set."""
+    built: dict[tuple, str] = {}
+
+    def make(shape: str = "qwen3-tiny", **overrides) -> str:
+        key = (shape, tuple(sorted(overrides.items(), key=lambda kv: kv[0])))
+        if key not in built:
+            out = tmp_path_factory.mktemp(shape)
+            built[key] = build_tiny_checkpoint(str(out), shape, **overrides)
+        return built[key]
+
+    return make
+
+
+def random_prompts(lengths, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # ids >= 4 keep the special and eos tokens out of prompts
+    return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.inference_mode()
+def hf_greedy(model_dir, prompts, max_tokens, eos_ids):
+    """Greedy continuations from transformers' generate, one prompt at a time (no padding)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    results = []
+    for prompt, m in zip(prompts, max_tokens):
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=m, do_sample=False, eos_token_id=list(eos_ids), pad_token_id=0)
+        tokens = out[0, len(prompt):].tolist()
+        reason = "stop" if tokens and tokens[-1] in eos_ids else "length"
+        results.append((tokens, reason))
+    return results
