@@ -14,7 +14,7 @@ def checkpoint(tmp_path_factory):
     built: dict[tuple, str] = {}
 
     def make(shape: str = "qwen3-tiny", **overrides) -> str:
-        key = (shape, tuple(sorted(overrides.items(), key=lambda kv: kv[0])))
+        key = (shape, repr(sorted(overrides.items())))
         if key not in built:
             out = tmp_path_factory.mktemp(shape)
             built[key] = build_tiny_checkpoint(str(out), shape, **overrides)
