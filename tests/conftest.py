@@ -7,6 +7,10 @@ import torch
 
 from nanokv.tiny import build_tiny_checkpoint
 
+# Tiny models gain nothing from intra-op threads, and OpenMP workers that spin while
+# another process holds the cores slow every op down a hundredfold.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
