@@ -18,7 +18,6 @@ class SamplingParams:
     max_tokens: int = 16
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
-    seed: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
@@ -33,8 +32,6 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative ints, got {t!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

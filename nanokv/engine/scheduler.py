@@ -100,7 +100,6 @@ class Scheduler:
             block_table=seq.block_table,
             sample=start + n == seq.num_tokens,
             temperature=seq.params.temperature,
-            seed=seq.params.seed,
             num_generated=seq.num_output_tokens,
         ))
         batch.num_tokens += n

@@ -30,7 +30,6 @@ class ScheduledSeq:
     block_table: list[int]
     sample: bool
     temperature: float
-    seed: int | None = None
     num_generated: int = 0
 
 
