@@ -64,6 +64,9 @@ class BlockManager:
         # LRU free queue (an OrderedDict is a doubly linked list: O(1) pop, append, removal).
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
+        # Prompt blocks that a running sequence will compute but has not yet: hash -> seq id.
+        # A request needing the same block waits for it instead of computing it again.
+        self.in_flight: dict[int, int] = {}
         self.num_free_cached = 0  # free blocks that still hold cached content
         self.query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # of those, tokens found
@@ -105,6 +108,27 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def waits_for_in_flight(self, seq: Sequence, num_hit_blocks: int) -> bool:
+        """True when seq's first uncached block is being computed by another sequence:
+        admitting seq now would compute the same prefix twice in parallel."""
+        if not self.in_flight or num_hit_blocks >= len(seq.block_hashes):
+            return False
+        owner = self.in_flight.get(seq.block_hashes[num_hit_blocks])
+        return owner is not None and owner != seq.seq_id
+
+    def mark_in_flight(self, seq: Sequence) -> None:
+        """Announce the full prompt blocks seq (just admitted) is about to compute."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self.block_hashes(seq, seq.num_prompt_tokens)
+        for h in hashes[seq.num_computed_tokens // self.block_size:]:
+            self.in_flight.setdefault(h, seq.seq_id)
+
+    def _clear_in_flight(self, seq: Sequence, start: int, stop: int) -> None:
+        for h in seq.block_hashes[start:stop]:
+            if self.in_flight.get(h) == seq.seq_id:
+                del self.in_flight[h]
+
     # ---- allocation -----------------------------------------------------------------
     def allocate(self, seq: Sequence, num_tokens: int, cached_blocks: Seq[int] = ()) -> bool:
         """Grow seq's block table to cover its first num_tokens tokens.
@@ -126,8 +150,9 @@ class BlockManager:
                 del self.free_queue[block_id]
                 self.num_free_cached -= 1
             block.ref_count += 1
-        table.extend(cached_blocks)
-        seq.num_hashed_blocks = len(table)
+        if cached_blocks:
+            table.extend(cached_blocks)
+            seq.num_hashed_blocks = len(table)
         for _ in range(num_new):
             table.append(self._take_free_block())
         return True
@@ -157,6 +182,8 @@ class BlockManager:
                     self.num_free_cached += 1
                 else:  # nothing worth keeping: reuse it first
                     self.free_queue.move_to_end(block_id, last=False)
+        if self.in_flight:
+            self._clear_in_flight(seq, seq.num_hashed_blocks, len(seq.block_hashes))
         seq.block_table.clear()
         seq.num_hashed_blocks = 0
 
@@ -180,4 +207,6 @@ class BlockManager:
                 block.block_hash = hashes[i]
                 block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
                 self.cached[hashes[i]] = block.block_id
+        if self.in_flight:
+            self._clear_in_flight(seq, seq.num_hashed_blocks, num_full)
         seq.num_hashed_blocks = num_full

@@ -71,24 +71,33 @@ class Scheduler:
         return batch
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
+        """First come, first served, except that a request whose next uncached prompt
+        block is being computed by another request waits a step and then hits the cache
+        (several requests sharing a new prefix compute it once)."""
         bm = self.block_manager
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.popleft()
             cached = bm.find_cached_prefix(seq)
+            if bm.waits_for_in_flight(seq, len(cached)):
+                deferred.append(seq)
+                continue
             # A prompt entirely in cache still recomputes its last token, for its logits.
             num_cached = min(len(cached) * bm.block_size, seq.num_tokens - 1)
             n = min(seq.num_tokens - num_cached, budget)
             if not bm.allocate(seq, num_cached + n, cached):
+                self.waiting.appendleft(seq)
                 break
             if bm.enable_prefix_caching:
                 bm.record_lookup(seq.num_tokens, num_cached)
             seq.num_computed_tokens = num_cached
             seq.num_cached_tokens = num_cached
-            self.waiting.popleft()
+            bm.mark_in_flight(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add_to_batch(batch, seq, n)
             budget -= n
+        self.waiting.extendleft(reversed(deferred))
         return budget
 
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:

@@ -201,3 +201,27 @@ def test_prefix_caching_off_gives_same_outputs():
         if not caching:
             assert sched.block_manager.hit_tokens == 0 and sched.block_manager.cached == {}
     assert outs[0] == outs[1]
+
+
+def test_blocks_filled_while_decoding_are_cached():
+    sched, runner = make_engine(block_size=4)
+    a = add(sched, [1, 2, 3, 4, 5, 6], max_tokens=5)  # blocks fill at 8 tokens while decoding
+    run(sched, runner)
+    b = add(sched, a.token_ids[:10], max_tokens=2)
+    run(sched, runner)
+    assert b.num_cached_tokens == 8
+
+
+def test_requests_sharing_a_new_prefix_compute_it_once():
+    sched, runner = make_engine(num_blocks=400, block_size=16, max_num_seqs=16, budget=4096,
+                                max_model_len=1024)
+    prefix = [(5 * i) % 89 + 1 for i in range(512)]
+    prompts = [prefix + [90 + i] * (i + 1) for i in range(8)]
+    seqs = [add(sched, p, max_tokens=4) for p in prompts]
+    run(sched, runner)
+    bm = sched.block_manager
+    assert bm.hit_tokens == 7 * 512
+    assert runner.computed_tokens == 512 + sum(i + 1 for i in range(8)) + 8 * 3
+    assert bm.in_flight == {}
+    for seq, p in zip(seqs, prompts):
+        assert seq.output_token_ids == reference_generate(p, 4)
