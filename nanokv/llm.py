@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence as Seq
+import time
+from collections.abc import Iterator, Sequence as Seq
 
 import torch
 from tqdm.auto import tqdm
 
 from nanokv.config import EngineConfig
+from nanokv.engine.stats import KVStats
 from nanokv.llm_engine import LLMEngine, PromptType
 from nanokv.outputs import RequestOutput
 from nanokv.sampling_params import SamplingParams
@@ -52,6 +54,26 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def kv_stats(self) -> KVStats:
+        """KV pool use, fragmentation, prefix-cache hits and preemptions so far."""
+        return self.llm_engine.kv_stats()
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of one request piece by piece as tokens arrive."""
+        engine = self.llm_engine
+        request_id = engine.add_request(prompt, sampling_params, stream=True)
+        done = False
+        try:
+            while not done:
+                for out in engine.step():
+                    if out.request_id == request_id:
+                        done = out.finished
+                        if out.outputs[0].text:
+                            yield out.outputs[0].text
+        finally:
+            if not done:  # the caller stopped early
+                engine.abort(request_id)
+
     def generate(
         self,
         prompts: PromptType | Seq[PromptType],
@@ -89,17 +111,19 @@ class LLM:
             for seq, _ in requests:
                 if results[order[seq.request_id]] is None:
                     engine.abort(seq.request_id)
+        logger.info(engine.kv_stats().summary())
         return results
 
     def _run(self, results, order, use_tqdm: bool) -> None:
         engine = self.llm_engine
         bar = tqdm(total=len(results), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         prefill_rate = decode_rate = 0.0
+        last_postfix = 0.0
         try:
             while engine.has_unfinished():
                 for out in engine.step():
                     i = order.get(out.request_id)
-                    if i is not None:  # requests added through the engine are not ours
+                    if i is not None and out.finished:  # others were added through the engine
                         results[i] = out
                         bar.update(1)
                 s = engine.last_step
@@ -108,8 +132,12 @@ class LLM:
                         prefill_rate = s.prefill_tokens / s.seconds
                     if s.decode_tokens:
                         decode_rate = s.decode_tokens / s.seconds
-                    bar.set_postfix_str(f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s",
-                                        refresh=False)
+                now = time.perf_counter()
+                if use_tqdm and now - last_postfix > 0.2:
+                    last_postfix = now
+                    kv = engine.kv_stats()
+                    bar.set_postfix_str(f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s, "
+                                        f"KV {kv.usage:.0%}, hit {kv.hit_rate:.0%}", refresh=False)
         finally:
             bar.close()
 

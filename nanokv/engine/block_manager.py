@@ -16,8 +16,6 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
-
 import xxhash
 
 from nanokv.engine.sequence import Sequence
@@ -45,16 +43,6 @@ class Block:
         return f"Block({self.block_id}, ref={self.ref_count}, hash={self.block_hash})"
 
 
-@dataclass
-class BlockStats:
-    num_blocks: int
-    num_used: int
-    num_free: int
-    num_free_cached: int
-    query_tokens: int
-    hit_tokens: int
-
-
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         assert num_blocks > 0 and block_size > 0
@@ -70,6 +58,7 @@ class BlockManager:
         self.num_free_cached = 0  # free blocks that still hold cached content
         self.query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # of those, tokens found
+        self.peak_used_blocks = 0
 
     # ---- queries --------------------------------------------------------------------
     @property
@@ -80,10 +69,9 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
 
-    def stats(self) -> BlockStats:
-        free = len(self.free_queue)
-        return BlockStats(len(self.blocks), len(self.blocks) - free, free, self.num_free_cached,
-                          self.query_tokens, self.hit_tokens)
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.blocks) - len(self.free_queue)
 
     def block_hashes(self, seq: Sequence, num_tokens: int) -> list[int]:
         """Chained hashes of the full blocks among seq's first num_tokens tokens (memoised)."""
@@ -155,6 +143,7 @@ class BlockManager:
             seq.num_hashed_blocks = len(table)
         for _ in range(num_new):
             table.append(self._take_free_block())
+        self.peak_used_blocks = max(self.peak_used_blocks, len(self.blocks) - len(self.free_queue))
         return True
 
     def _take_free_block(self) -> int:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from nanokv.engine.block_manager import BlockManager
 from nanokv.engine.sequence import Sequence, SequenceStatus
+from nanokv.engine.stats import KVStats
 from nanokv.engine.types import ScheduledBatch, ScheduledSeq, StepOutput
 
 
@@ -155,6 +156,19 @@ class Scheduler:
     def _finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
         self.block_manager.free(seq)
+
+    def kv_stats(self) -> KVStats:
+        bm = self.block_manager
+        bs, used = bm.block_size, bm.num_used_blocks
+        # Between steps each running table covers exactly its computed tokens, so the only
+        # empty slots are the tails of last blocks (a shared block is always full).
+        empty = sum(len(s.block_table) * bs - s.num_computed_tokens for s in self.running)
+        return KVStats(
+            block_size=bs, num_blocks=bm.num_blocks, used_blocks=used,
+            free_blocks=bm.num_free_blocks, free_cached_blocks=bm.num_free_cached,
+            peak_used_blocks=bm.peak_used_blocks, stored_tokens=used * bs - empty,
+            allocated_slots=used * bs, prefix_query_tokens=bm.query_tokens,
+            prefix_hit_tokens=bm.hit_tokens, num_preemptions=self.num_preemptions)
 
     def abort(self, seq: Sequence) -> None:
         """Drop a sequence wherever it is; its blocks are freed at once."""

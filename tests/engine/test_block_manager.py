@@ -101,11 +101,11 @@ def test_freed_blocks_keep_content_and_revive_on_hit():
     admit(bm, a)
     computed(bm, a, 5)
     bm.free(a)
-    assert bm.stats().num_free_cached == 2 and bm.num_free_blocks == 4
+    assert bm.num_free_cached == 2 and bm.num_free_blocks == 4
     b = make_seq([1, 2, 3, 4, 9])
     assert admit(bm, b) == [0, 1]
     assert b.block_table == [0, 1, 2]
-    assert bm.num_free_blocks == 1 and bm.stats().num_free_cached == 0
+    assert bm.num_free_blocks == 1 and bm.num_free_cached == 0
 
 
 def test_lru_eviction_order():

@@ -1,0 +1,52 @@
+"""KV cache statistics: pool use, internal fragmentation, prefix-cache hits, preemptions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVStats:
+    """A snapshot of the paged KV pool, taken between steps.
+
+    stored_tokens counts tokens whose K/V sits in used blocks (a block shared by several
+    requests counts once); allocated_slots is used_blocks * block_size. Their difference is
+    the internal fragmentation: the unfilled tail of each request's last block, so less
+    than one block per running request. Prefix-cache counters are in prompt tokens, one
+    lookup per admission (a preempted request looks up again when readmitted).
+    """
+
+    block_size: int
+    num_blocks: int
+    used_blocks: int
+    free_blocks: int
+    free_cached_blocks: int  # free, but still holding reusable prefix content
+    peak_used_blocks: int
+    stored_tokens: int
+    allocated_slots: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_preemptions: int
+
+    @property
+    def usage(self) -> float:
+        return self.used_blocks / self.num_blocks
+
+    @property
+    def fragmentation_tokens(self) -> int:
+        return self.allocated_slots - self.stored_tokens
+
+    @property
+    def fragmentation(self) -> float:
+        return self.fragmentation_tokens / self.allocated_slots if self.allocated_slots else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    def summary(self) -> str:
+        return (f"KV cache: {self.used_blocks}/{self.num_blocks} blocks used ({self.usage:.1%}), "
+                f"peak {self.peak_used_blocks}, {self.free_cached_blocks} free but cached; "
+                f"fragmentation {self.fragmentation_tokens} tokens ({self.fragmentation:.1%}); "
+                f"prefix cache hit {self.prefix_hit_tokens}/{self.prefix_query_tokens} tokens "
+                f"({self.hit_rate:.1%}); preemptions {self.num_preemptions}")
