@@ -394,30 +394,29 @@ def _init_weights(model: torch.nn.Module, seed: int, n_tokens: int | None = None
     """
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name, p in model.named_parameters():  # shared (tied) parameters appear once
-        shape = tuple(p.shape)
+        # in-place normal_ with an explicit generator: fast (~1.5 s / 250M values) and deterministic
         if p.ndim == 1 and name.endswith("bias"):
-            new = torch.randn(shape, generator=gen) * 0.1
+            p.normal_(0.0, 0.1, generator=gen)
         elif p.ndim == 1:  # RMSNorm weights (input/post-attn/final norm, q_norm/k_norm)
-            new = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+            p.normal_(1.0, 0.1, generator=gen)
             if "q_norm" in name:  # Qwen3: attention sharpness is set here, not by q_proj
-                new = new * _Q_GAIN
-        elif "embed" in name:  # (vocab, hidden)
-            new = torch.randn(shape, generator=gen)
-            if _EMBED_UNIT_ROWS:  # equal row norms: no "hub" tokens that win every argmax
-                new = new / new.pow(2).mean(-1, keepdim=True).sqrt()
-            new = new * (_EMBED_GAIN / math.sqrt(shape[-1]))
+                p.mul_(_Q_GAIN)
+        elif "embed" in name or "lm_head" in name:  # (vocab, hidden)
+            hidden = p.shape[-1]
+            p.normal_(0.0, 1.0, generator=gen)
+            if "embed" in name:
+                if _EMBED_UNIT_ROWS:  # equal row norms: no "hub" tokens that win every argmax
+                    p.div_(torch.linalg.vector_norm(p, dim=-1, keepdim=True).div_(math.sqrt(hidden)))
+                p.mul_(_EMBED_GAIN / math.sqrt(hidden))
+            else:  # untied lm_head
+                p.mul_(_LM_HEAD_GAIN / math.sqrt(hidden))
             if n_tokens is not None:
-                new[n_tokens:] *= _PAD_ROW_GAIN
-        elif "lm_head" in name:  # untied (vocab, hidden)
-            new = torch.randn(shape, generator=gen) * (_LM_HEAD_GAIN / math.sqrt(shape[-1]))
-            if n_tokens is not None:
-                new[n_tokens:] *= _PAD_ROW_GAIN
+                p[n_tokens:].mul_(_PAD_ROW_GAIN)
         else:  # linear weight (out, in)
             gain = _LINEAR_GAIN * (_OUT_GAIN if ("o_proj" in name or "down_proj" in name) else 1.0)
             if "q_proj" in name:
                 gain *= _Q_GAIN
-            new = torch.randn(shape, generator=gen) * (gain / math.sqrt(shape[-1]))
-        p.copy_(new.to(p.dtype))
+            p.normal_(0.0, gain / math.sqrt(p.shape[-1]), generator=gen)
 
 
 # --------------------------------------------------------------------------- build

@@ -109,7 +109,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         hashes = self.block_hashes(seq, seq.num_prompt_tokens)
-        for h in hashes[seq.num_computed_tokens // self.block_size:]:
+        for h in hashes[seq.num_hashed_blocks:]:  # past the blocks it found cached
             self.in_flight.setdefault(h, seq.seq_id)
 
     def _clear_in_flight(self, seq: Sequence, start: int, stop: int) -> None:
