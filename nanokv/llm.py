@@ -68,8 +68,9 @@ class LLM:
                 for out in engine.step():
                     if out.request_id == request_id:
                         done = out.finished
-                        if out.outputs[0].text:
-                            yield out.outputs[0].text
+                        for completion in out.outputs:
+                            if completion.text:
+                                yield completion.text
         finally:
             if not done:  # the caller stopped early
                 engine.abort(request_id)
@@ -101,18 +102,43 @@ class LLM:
                 requests.append(engine.make_request(prompt, p))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        order = {seq.request_id: i for i, (seq, _) in enumerate(requests)}
+        order = {req.request_id: i for i, req in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)
-        for seq, text in requests:
-            engine.enqueue(seq, text)
+        for req in requests:
+            engine.enqueue(req)
         try:
             self._run(results, order, use_tqdm)
         finally:  # interrupted: leave the engine clean for the next call
-            for seq, _ in requests:
-                if results[order[seq.request_id]] is None:
-                    engine.abort(seq.request_id)
+            for req in requests:
+                if results[order[req.request_id]] is None:
+                    engine.abort(req.request_id)
         logger.info(engine.kv_stats().summary())
         return results
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or
+        to a list of them, rendered with the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conv in conversations:
+            try:
+                text = tokenizer.apply_chat_template(conv, tokenize=False, chat_template=chat_template,
+                                                     add_generation_prompt=add_generation_prompt)
+            except Exception as e:  # no template, malformed messages
+                raise ValueError(f"cannot apply the chat template: {e}") from e
+            # the template already holds the special tokens: add none
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, results, order, use_tqdm: bool) -> None:
         engine = self.llm_engine

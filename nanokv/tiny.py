@@ -39,6 +39,7 @@ import math
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,12 @@ def _zen_of_python() -> str:
 
 def _training_corpus() -> list[str]:
     """Deterministic training text: the Zen of Python + stdlib docstrings."""
+    with warnings.catch_warnings():  # e.g. typing.io/typing.re warn on attribute access
+        warnings.simplefilter("ignore")
+        return _collect_corpus()
+
+
+def _collect_corpus() -> list[str]:
     texts = [_zen_of_python()]
     for name in _CORPUS_MODULES:
         try:
@@ -446,7 +453,9 @@ def build_tiny_checkpoint(
     Writes config.json (eos=pad=0), model.safetensors (sharded with an index when
     ``max_shard_size`` is given, e.g. ``"200KB"``), generation_config.json (eos
     ``[0, 3]``) and the tiny tokenizer (vocab ``min(1024, vocab_size)``). The model is
-    initialised in float32 with ``seed`` and cast to ``dtype`` before saving.
+    initialised in float32 with ``seed`` and cast to ``dtype`` before saving. Ids the
+    tokenizer cannot produce (model vocab > tokenizer vocab) get down-scaled embedding /
+    lm_head rows, so greedy outputs stay decodable. Deterministic for a given seed.
     Returns ``str(out_dir)``.
     """
     config = make_config(shape, **config_overrides)

@@ -109,8 +109,11 @@ class Scheduler:
             start_pos=start,
             block_table=seq.block_table,
             sample=start + n == seq.num_tokens,
-            temperature=seq.params.temperature,
+            params=seq.params,
+            seed=seq.seed,
             num_generated=seq.num_output_tokens,
+            all_token_ids=seq.token_ids,
+            num_prompt_tokens=seq.num_prompt_tokens,
         ))
         batch.num_tokens += n
 
@@ -126,6 +129,7 @@ class Scheduler:
         """Apply one step's results; returns the sequences that finished (blocks freed)."""
         by_id = {seq.seq_id: seq for seq in self.running}
         sampled = iter(output.sampled_token_ids)
+        logprobs = iter(output.logprobs or ())
         finished: list[Sequence] = []
         for item in batch.seqs:
             seq = by_id[item.seq_id]
@@ -133,6 +137,10 @@ class Scheduler:
             self.block_manager.cache_full_blocks(seq)
             if item.sample:
                 seq.token_ids.append(next(sampled))
+                lp = next(logprobs, None)
+                if lp is not None:
+                    seq.logprobs.append(lp)
+                    seq.cumulative_logprob += lp.logprob
                 if self._check_stop(seq):
                     finished.append(seq)
         if finished:
@@ -143,9 +151,10 @@ class Scheduler:
 
     def _check_stop(self, seq: Sequence) -> bool:
         token = seq.token_ids[-1]
-        if token in seq.stop_token_ids:
+        may_stop = seq.num_output_tokens > seq.params.min_tokens
+        if may_stop and token in seq.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
-        elif not seq.params.ignore_eos and token in self.eos_token_ids:
+        elif may_stop and not seq.params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"
         elif seq.num_output_tokens >= seq.max_tokens:
             seq.finish_reason = "length"
@@ -169,6 +178,14 @@ class Scheduler:
             peak_used_blocks=bm.peak_used_blocks, stored_tokens=used * bs - empty,
             allocated_slots=used * bs, prefix_query_tokens=bm.query_tokens,
             prefix_hit_tokens=bm.hit_tokens, num_preemptions=self.num_preemptions)
+
+    def stop(self, seq: Sequence, stop_reason: str) -> None:
+        """Finish a running sequence for a reason found outside the scheduler (a stop
+        string in its text); its blocks are freed at once."""
+        assert seq.status is SequenceStatus.RUNNING
+        seq.finish_reason, seq.stop_reason = "stop", stop_reason
+        self.running.remove(seq)
+        self._finish(seq)
 
     def abort(self, seq: Sequence) -> None:
         """Drop a sequence wherever it is; its blocks are freed at once."""

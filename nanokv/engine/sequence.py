@@ -31,10 +31,11 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_table", "block_hashes", "num_hashed_blocks", "status", "params", "max_tokens",
         "stop_token_ids", "finish_reason", "stop_reason", "num_cached_tokens", "arrival",
+        "index", "seed", "logprobs", "cumulative_logprob",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 max_tokens: int):
+                 max_tokens: int, index: int = 0):
         self.seq_id = next(_seq_ids)
         self.arrival = self.seq_id
         self.request_id = request_id
@@ -51,6 +52,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
+        self.index = index  # which of the request's n samples this is
+        self.seed = None if params.seed is None else params.seed + index
+        self.logprobs: list = []  # TokenLogprobs per generated token, when params.logprobs is set
+        self.cumulative_logprob = 0.0
 
     @property
     def num_tokens(self) -> int:

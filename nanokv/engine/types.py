@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nanokv.sampling_params import SamplingParams
+
 
 @dataclass
 class ScheduledSeq:
@@ -21,7 +23,11 @@ class ScheduledSeq:
         tokens. It is the sequence's own list: read it during the step, do not keep it.
     sample: True when this step reaches the end of the sequence's known tokens, so
         the logits of its last token are sampled into a new token.
-    temperature: 0 means greedy.
+    params: the request's sampling settings (read only).
+    seed: the sequence's own seed (the request seed plus the sample index), or None.
+    num_generated: tokens generated so far (the index of the token sampled now).
+    all_token_ids, num_prompt_tokens: the sequence's tokens (its own list, read only),
+        for penalties; the runner looks at them only when params asks for penalties.
     """
 
     seq_id: int
@@ -29,8 +35,11 @@ class ScheduledSeq:
     start_pos: int
     block_table: list[int]
     sample: bool
-    temperature: float
+    params: SamplingParams
+    seed: int | None = None
     num_generated: int = 0
+    all_token_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
 
 
 @dataclass
@@ -44,13 +53,21 @@ class ScheduledBatch:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     num_tokens: int = 0
 
-    @property
-    def num_sampled(self) -> int:
-        return sum(1 for s in self.seqs if s.sample)
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs for one sampled token: its own, its rank (1 = most likely), and the top-N."""
+
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 @dataclass
 class StepOutput:
-    """The runner's answer: one new token per sampling sequence, in batch order."""
+    """The runner's answer, for the sampling sequences in batch order: one new token
+    each, and its logprobs where the request asked for them (else None)."""
 
     sampled_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] | None = None
