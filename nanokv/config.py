@@ -34,6 +34,7 @@ class EngineConfig:
     enforce_eager: bool
     seed: int
     eos_token_ids: tuple[int, ...]
+    attention_backend: str
 
     @classmethod
     def create(
@@ -52,6 +53,7 @@ class EngineConfig:
         enable_prefix_caching: bool = True,
         enforce_eager: bool = False,
         seed: int = 0,
+        attention_backend: str = "auto",
     ) -> "EngineConfig":
         from nanokv.models import resolve_architecture
 
@@ -80,6 +82,9 @@ class EngineConfig:
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
 
+        from nanokv.attention import resolve_backend
+
+        backend = resolve_backend(attention_backend, dev, kvcache_block_size)
         return cls(
             model=model, hf_config=hf_config, architecture=architecture, dtype=torch_dtype,
             device=dev, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -88,6 +93,7 @@ class EngineConfig:
             gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=bool(enable_prefix_caching), enforce_eager=bool(enforce_eager),
             seed=int(seed), eos_token_ids=tuple(_eos_token_ids(model, hf_config)),
+            attention_backend=backend,
         )
 
 

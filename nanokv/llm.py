@@ -41,6 +41,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         enforce_eager: bool = False,
         seed: int = 0,
+        attention_backend: str = "auto",
     ):
         config = EngineConfig.create(
             model, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -48,7 +49,8 @@ class LLM:
             kvcache_block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed)
+            enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
+            attention_backend=attention_backend)
         self.llm_engine = LLMEngine(config)
 
     def get_tokenizer(self):
@@ -128,16 +130,7 @@ class LLM:
         to a list of them, rendered with the tokenizer's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        prompts = []
-        for conv in conversations:
-            try:
-                text = tokenizer.apply_chat_template(conv, tokenize=False, chat_template=chat_template,
-                                                     add_generation_prompt=add_generation_prompt)
-            except Exception as e:  # no template, malformed messages
-                raise ValueError(f"cannot apply the chat template: {e}") from e
-            # the template already holds the special tokens: add none
-            ids = tokenizer(text, add_special_tokens=False).input_ids
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        prompts = [render_chat(tokenizer, conv, chat_template, add_generation_prompt) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, results, order, use_tqdm: bool) -> None:
@@ -166,6 +159,18 @@ class LLM:
                                         f"KV {kv.usage:.0%}, hit {kv.hit_rate:.0%}", refresh=False)
         finally:
             bar.close()
+
+
+def render_chat(tokenizer, conversation: list[dict], chat_template: str | None = None,
+                add_generation_prompt: bool = True) -> dict:
+    """One conversation -> {"prompt": text, "prompt_token_ids": ids} via the chat template."""
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
+                                             add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # no template, malformed messages
+        raise ValueError(f"cannot apply the chat template: {e}") from e
+    # the template already holds the special tokens: add none
+    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
+# Triton kernels run on CPU tensors in Triton's interpreter; it must be on before triton loads.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 

@@ -1,13 +1,51 @@
 """Paged attention backends sharing one KV cache layout: [num_blocks, block_size, kv_heads, head_dim].
 
-Backends are imported lazily by name, so a CPU install never imports GPU-only packages.
+Backends are imported lazily by name, so a CPU install never imports triton or flash_attn
+unless asked.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
+import torch
+
 from nanokv.attention.base import AttentionBackend, AttentionMetadata
 
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "triton", "flash_attn")
+
+
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def resolve_backend(name: str, device: torch.device, block_size: int) -> str:
+    """The backend to use. "auto": flash_attn if importable on CUDA (and the block size
+    suits it), else triton on CUDA, else torch. ValueError for a choice that cannot work."""
+    if name == "auto":
+        if device.type == "cuda":
+            if _importable("flash_attn") and block_size % 256 == 0:
+                return "flash_attn"
+            if _importable("triton"):
+                return "triton"
+        return "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention_backend {name!r}; choose 'auto' or one of {', '.join(BACKENDS)}")
+    if name == "triton":
+        if not _importable("triton"):
+            raise ValueError("attention_backend='triton' needs triton: pip install 'nanokv[triton]'")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend='triton' runs on CUDA; on the CPU only in Triton's "
+                             "interpreter (set TRITON_INTERPRET=1 before starting; slow, for tests)")
+    if name == "flash_attn":
+        if device.type != "cuda" or not _importable("flash_attn"):
+            raise ValueError("attention_backend='flash_attn' needs a CUDA device and the flash-attn "
+                             "package (pip install 'nanokv[flash]')")
+        if block_size % 256:
+            raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size to be a multiple "
+                             f"of 256 (got {block_size}); set kvcache_block_size=256")
+    return name
 
 
 def get_backend(name: str) -> AttentionBackend:
@@ -15,7 +53,15 @@ def get_backend(name: str) -> AttentionBackend:
         from nanokv.attention.torch_ref import TorchRefBackend
 
         return TorchRefBackend()
+    if name == "triton":
+        from nanokv.attention.triton_backend import TritonBackend
+
+        return TritonBackend()
+    if name == "flash_attn":
+        from nanokv.attention.flash_attn import FlashAttnBackend
+
+        return FlashAttnBackend()
     raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend", "BACKENDS"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend", "resolve_backend", "BACKENDS"]

@@ -29,7 +29,7 @@ class ModelRunner:
                                  config.dtype, config.device, config.max_model_len)
         self.vocab_size = hf.vocab_size
         self.block_size = config.block_size
-        self.backend = get_backend("torch")
+        self.backend = get_backend(config.attention_backend)
         num_layers, num_kv_heads, dim = hf.num_hidden_layers, hf.num_key_value_heads, head_dim(hf)
         self.num_blocks = num_kv_blocks(config, bytes_per_block(config, num_layers, num_kv_heads, dim))
         self.kv_cache = allocate_kv_cache(config, self.num_blocks, num_layers, num_kv_heads, dim)
