@@ -1,10 +1,373 @@
-"""Throughput benchmark against Hugging Face generate: not built yet.
+"""Throughput of nanokv against Hugging Face generate, side by side in one run.
 
-The benchmark (workloads, engines side by side, ratios, roofline) is issue 6. Until it
-lands this script reports nothing rather than numbers nobody measured.
+    python bench.py                                  # --workload cpu --shape cpu-small on a CPU
+    python bench.py --workload nano --shape qwen3-0.6b   # nano-vllm's workload, on a GPU
+    python bench.py --model /path/to/model --json
+
+Every engine runs the same requests (random token ids, EOS ignored, fixed seed) in this
+process and is credited only with the output tokens each request asked for: HF generate
+has to run each padded batch to its longest request, and that is its real cost. Ratios
+are against HF generate's best batch size, so drifting machine speed cancels out.
 """
 
-import sys
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+WORKLOADS = {
+    # nano-vllm's published benchmark
+    "nano": dict(num_requests=256, prompt=(100, 1024), output=(100, 1024)),
+    # sized for a few minutes on 2 CPU cores
+    "cpu": dict(num_requests=64, prompt=(16, 256), output=(16, 160)),
+    # a quick look (CI smoke runs)
+    "tiny": dict(num_requests=8, prompt=(4, 32), output=(4, 16)),
+}
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Result:
+    engine: str
+    output_tokens: int
+    seconds: float
+    peak_memory_gib: float
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def make_workload(name: str, vocab: int, seed: int = 0) -> list[Request]:
+    spec = WORKLOADS[name]
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(spec["num_requests"]):
+        n = rng.randint(*spec["prompt"])
+        reqs.append(Request([rng.randrange(vocab) for _ in range(n)], rng.randint(*spec["output"])))
+    return reqs
+
+
+# ---- memory -----------------------------------------------------------------------------
+
+def reset_peak(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:  # Linux: reset the process's peak RSS (VmHWM) to its current RSS
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+
+def peak_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return float("nan")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- engines ----------------------------------------------------------------------------
+
+def run_nanokv(model_dir: str, reqs: list[Request], device: torch.device, args) -> Result:
+    from nanokv import LLM, SamplingParams
+
+    reset_peak(device)
+    kwargs = dict(device=str(device), max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager)
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    max_len = max(len(r.prompt) + r.max_tokens for r in reqs)
+    llm = LLM(model_dir, max_model_len=max(max_len, 64), **kwargs)
+    params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+    warm = make_workload("tiny", 1000, seed=12345)[:2]  # other tokens: no prefix-cache help
+    llm.generate([r.prompt for r in warm], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    runner = llm.llm_engine.runner
+    runner.reset_timers()
+    sync(device)
+    start = time.perf_counter()
+    outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
+    sync(device)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert tokens == sum(r.max_tokens for r in reqs)
+    kv = llm.kv_stats()
+    extra = dict(kv=asdict(kv), kv_summary=kv.summary(), steps=runner.num_steps,
+                 forward_seconds=runner.forward_seconds, backend=llm.llm_engine.config.attention_backend)
+    res = Result("nanokv", tokens, seconds, peak_gib(device), extra=extra)
+    del llm, outs
+    return res
+
+
+def load_hf(model_dir: str, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model.generation_config.eos_token_id = None  # EOS ignored, like every engine here
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@torch.inference_mode()
+def run_hf_generate(model, reqs: list[Request], device: torch.device, batch_sizes: list[int]) -> Result:
+    """Padded static batches, prompts sorted by length; the best batch size wins."""
+    order = sorted(range(len(reqs)), key=lambda i: len(reqs[i].prompt))
+    best = None
+    for bs in batch_sizes:
+        reset_peak(device)
+        sync(device)
+        start = time.perf_counter()
+        for b in range(0, len(order), bs):
+            batch = [reqs[i] for i in order[b:b + bs]]
+            width = max(len(r.prompt) for r in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for row, r in enumerate(batch):  # left padding
+                ids[row, width - len(r.prompt):] = torch.tensor(r.prompt)
+                mask[row, width - len(r.prompt):] = 1
+            longest = max(r.max_tokens for r in batch)
+            model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest,
+                           min_new_tokens=longest, do_sample=False)
+        sync(device)
+        res = Result("HF generate", sum(r.max_tokens for r in reqs), time.perf_counter() - start,
+                     peak_gib(device), note=f"batch {bs}")
+        if best is None or res.seconds < best.seconds:
+            best = res
+        best.extra.setdefault("tried", {})[bs] = round(res.tok_per_s, 1)
+    return best
+
+
+@torch.inference_mode()
+def run_hf_continuous(model, reqs: list[Request], device: torch.device) -> Result:
+    """transformers' continuous batching manager, each request with its own max_new_tokens."""
+    reset_peak(device)
+    sync(device)
+    start = time.perf_counter()
+    done = 0
+    with model.continuous_batching_context_manager(block=True, timeout=5) as manager:
+        for i, r in enumerate(reqs):
+            manager.add_request(r.prompt, request_id=str(i), max_new_tokens=r.max_tokens)
+        tokens = 0
+        while done < len(reqs):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done += 1
+                tokens += len(result.generated_tokens)
+            elif result is None and not manager.is_running():
+                raise RuntimeError("HF continuous batching stopped early")
+    sync(device)
+    useful = min(tokens, sum(r.max_tokens for r in reqs))
+    return Result("HF continuous batching", useful, time.perf_counter() - start, peak_gib(device))
+
+
+def run_vllm(model_dir: str, reqs: list[Request], device: torch.device) -> Result:
+    from vllm import LLM as VLLM, SamplingParams as VParams  # noqa: N811
+
+    reset_peak(device)
+    llm = VLLM(model_dir, enforce_eager=False)
+    params = [VParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+    prompts = [{"prompt_token_ids": r.prompt} for r in reqs]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return Result("vLLM", sum(len(o.outputs[0].token_ids) for o in outs), seconds, peak_gib(device))
+
+
+# ---- roofline ---------------------------------------------------------------------------
+
+def model_dims(hf_config) -> dict:
+    h, layers = hf_config.hidden_size, hf_config.num_hidden_layers
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    d = getattr(hf_config, "head_dim", None) or h // heads
+    inter, vocab = hf_config.intermediate_size, hf_config.vocab_size
+    per_layer = h * (heads + 2 * kv_heads) * d + heads * d * h + 3 * h * inter
+    return dict(layers=layers, heads=heads, kv_heads=kv_heads, head_dim=d, vocab=vocab, hidden=h,
+                linear_params=layers * per_layer, head_params=vocab * h)
+
+
+def workload_flops(dims: dict, reqs: list[Request]) -> float:
+    """Matmul FLOPs nanokv must do: every prompt token and every generated token but the
+    last goes through the layers; attention over its context; the LM head once per
+    generated token."""
+    flops = 0.0
+    attn = 4 * dims["layers"] * dims["heads"] * dims["head_dim"]  # QK^T and PV, per (query, key)
+    for r in reqs:
+        computed = len(r.prompt) + r.max_tokens - 1
+        flops += 2 * dims["linear_params"] * computed
+        flops += attn * computed * (computed + 1) / 2  # causal: query p sees p + 1 keys
+        flops += 2 * dims["head_params"] * r.max_tokens
+    return flops
+
+
+def measured_gemm_rate(dims: dict, dtype: torch.dtype, device: torch.device) -> float:
+    """FLOP/s of this machine on a model-shaped GEMM (tokens x hidden @ hidden x 3*hidden)."""
+    a = torch.randn(1024, dims["hidden"], dtype=dtype, device=device)
+    b = torch.randn(dims["hidden"], 3 * dims["hidden"], dtype=dtype, device=device)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < 1.0:
+        a @ b
+        reps += 1
+    sync(device)
+    return reps * 2 * a.shape[0] * b.shape[0] * b.shape[1] / (time.perf_counter() - start)
+
+
+def measured_copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a large device-to-device copy (read + write)."""
+    x = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    sync(device)
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < 0.5:
+        y.copy_(x)
+        reps += 1
+    sync(device)
+    return reps * 2 * x.numel() / (time.perf_counter() - start)
+
+
+def roofline(dims: dict, reqs: list[Request], nanokv: Result, dtype: torch.dtype, device: torch.device) -> dict:
+    if device.type == "cpu":
+        flops = workload_flops(dims, reqs)
+        rate = measured_gemm_rate(dims, dtype, device)
+        floor = flops / rate
+        return dict(kind="FLOPs / measured GEMM rate", flops=flops, rate=rate, floor_seconds=floor,
+                    percent=100 * floor / nanokv.seconds)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    weights = (dims["linear_params"] + dims["head_params"]) * elem
+    kv_per_token = 2 * dims["layers"] * dims["kv_heads"] * dims["head_dim"] * elem
+    steps = nanokv.extra.get("steps", 0)
+    kv_read = sum(kv_per_token * (len(r.prompt) + i) for r in reqs for i in range(r.max_tokens))
+    total = weights * steps + kv_read
+    bw = measured_copy_bandwidth(device)
+    floor = total / bw
+    return dict(kind="HBM bytes (weights per step + KV read) / measured copy bandwidth", bytes=total,
+                bandwidth=bw, floor_seconds=floor, percent=100 * floor / nanokv.seconds)
+
+
+# ---- main -------------------------------------------------------------------------------
+
+def resolve_model(args) -> str:
+    if args.model:
+        return args.model
+    from nanokv.tiny import cached_tiny_checkpoint
+
+    dtype = torch.bfloat16 if args.shape in ("qwen3-0.6b", "llama-3.2-1b") else torch.float32
+    return cached_tiny_checkpoint(args.shape, dtype=dtype)
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="nano" if cuda else "cpu")
+    p.add_argument("--model", help="a Hugging Face model directory")
+    p.add_argument("--shape", default="qwen3-0.6b" if cuda else "cpu-small",
+                   help="random weights of a known shape when --model is not given: "
+                        "qwen3-0.6b, llama-3.2-1b, cpu-small")
+    p.add_argument("--engines", default="nanokv,hf,hf-cb,vllm",
+                   help="comma-separated subset of nanokv, hf, hf-cb, vllm")
+    p.add_argument("--hf-batch-sizes", default="",
+                   help="batch sizes to try for HF generate (default: 8,16,32 on CPU; 32,64,128 on GPU)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    args = p.parse_args()
+
+    device = torch.device("cuda" if cuda else "cpu")
+    model_dir = resolve_model(args)
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    dims = model_dims(hf_config)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    reqs = make_workload(args.workload, min(hf_config.vocab_size, 32000), args.seed)
+    engines = set(args.engines.split(","))
+    sizes = [int(x) for x in args.hf_batch_sizes.split(",") if x] or ([8, 16, 32] if device.type == "cpu" else [32, 64, 128])
+
+    results: list[Result] = []
+    if "nanokv" in engines:
+        results.append(run_nanokv(model_dir, reqs, device, args))
+    if engines & {"hf", "hf-cb"}:
+        model = load_hf(model_dir, device, dtype)
+        if "hf" in engines:
+            results.append(run_hf_generate(model, reqs, device, sizes))
+        if "hf-cb" in engines:
+            try:
+                results.append(run_hf_continuous(model, reqs, device))
+            except Exception as e:  # report, do not hide: HF's CB support varies by version/device
+                results.append(Result("HF continuous batching", 0, float("nan"), float("nan"),
+                                       note=f"failed: {type(e).__name__}: {e}"[:120]))
+        del model
+    if "vllm" in engines and importlib.util.find_spec("vllm") is not None:
+        results.append(run_vllm(model_dir, reqs, device))
+
+    base = next((r for r in results if r.engine == "HF generate"), None)
+    nano = next((r for r in results if r.engine == "nanokv"), None)
+    report = dict(workload=args.workload, num_requests=len(reqs), model=args.model or f"random {args.shape}",
+                  device=torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads",
+                  dtype=str(dtype).replace("torch.", ""), torch=torch.__version__, results=[])
+    for r in results:
+        row = dict(engine=r.engine, output_tokens=r.output_tokens, seconds=round(r.seconds, 2),
+                   tok_per_s=round(r.tok_per_s, 1) if r.output_tokens else None,
+                   ratio_to_hf_generate=round(r.tok_per_s / base.tok_per_s, 2) if base and r.output_tokens else None,
+                   peak_memory_gib=round(r.peak_memory_gib, 2), note=r.note, **r.extra)
+        report["results"].append(row)
+    if nano is not None:
+        report["roofline"] = roofline(dims, reqs, nano, dtype, device)
+        report["outside_forward_percent"] = 100 * (1 - nano.extra["forward_seconds"] / nano.seconds)
+
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+        return
+    print(f"workload {args.workload}: {len(reqs)} requests, {report['model']}, {report['device']}, "
+          f"{report['dtype']}, torch {torch.__version__}\n")
+    print("| engine | output tokens | seconds | tok/s | vs HF generate | peak memory (GiB) | note |")
+    print("|---|---|---|---|---|---|---|")
+    for row in report["results"]:
+        ratio = f"{row['ratio_to_hf_generate']:.2f}x" if row["ratio_to_hf_generate"] else "-"
+        tps = f"{row['tok_per_s']:,.0f}" if row["tok_per_s"] else "-"
+        print(f"| {row['engine']} | {row['output_tokens']:,} | {row['seconds']:.1f} | {tps} | {ratio} | "
+              f"{row['peak_memory_gib']:.2f} | {row['note']} |")
+    if nano is not None:
+        rf = report["roofline"]
+        print(f"\nnanokv {nano.extra['kv_summary']}")
+        print(f"nanokv steps {nano.extra['steps']}, backend {nano.extra['backend']}, time outside the model "
+              f"forward {report['outside_forward_percent']:.1f}%")
+        print(f"roofline ({rf['kind']}): floor {rf['floor_seconds']:.1f} s; nanokv reaches {rf['percent']:.0f}% of it")
+
 
 if __name__ == "__main__":
-    sys.exit("bench.py is not implemented yet: see issue 6 (throughput against HF generate).")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -42,6 +42,9 @@ class AttentionBackend:
     tokens, full over the cached prefix)."""
 
     name = "base"
+    # True when prepare() derives nothing from host-side lengths beyond upper bounds, so a
+    # decode step captured in a CUDA graph stays correct when replayed with new lengths.
+    supports_cuda_graphs = False
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Derive per-step helper tensors once, before the layers run."""

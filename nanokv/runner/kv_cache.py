@@ -30,16 +30,20 @@ def available_cpu_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def num_kv_blocks(config: EngineConfig, block_bytes: int) -> int:
+def num_kv_blocks(config: EngineConfig, block_bytes: int, activation_bytes: int = 0) -> int:
     """Pool size in blocks; ValueError, naming the knob, when one max_model_len sequence
-    does not fit."""
+    does not fit.
+
+    CUDA: gpu_memory_utilization of the device's total memory, minus what is already
+    allocated (weights) and the profiled activation peak (activation_bytes), and never
+    more than is free. CPU: kv_cache_memory_bytes, by default 4 GiB capped as below."""
     if config.num_kvcache_blocks is not None:
         num_blocks, knob = config.num_kvcache_blocks, "num_kvcache_blocks"
     elif config.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(config.device)
-        # weights are loaded; leave room for activations of a full batch (~10% of the rest)
-        budget = int(config.gpu_memory_utilization * total) - (total - free)
-        budget = int(budget * 0.9)
+        weights = torch.cuda.memory_allocated(config.device)
+        budget = int(config.gpu_memory_utilization * total) - weights - activation_bytes
+        budget = min(budget, free - activation_bytes)
         if config.kv_cache_memory_bytes is not None:
             budget = min(budget, config.kv_cache_memory_bytes)
         num_blocks, knob = max(budget, 0) // block_bytes, "gpu_memory_utilization"
@@ -62,11 +66,14 @@ def num_kv_blocks(config: EngineConfig, block_bytes: int) -> int:
 
 
 def allocate_kv_cache(config: EngineConfig, num_blocks: int, num_layers: int, num_kv_heads: int,
-                      head_dim: int) -> torch.Tensor:
-    """One tensor [layers, 2 (K, V), num_blocks, block_size, Hkv, D]; layers take views."""
+                      head_dim: int, log: bool = True) -> torch.Tensor:
+    """One tensor [layers, 2 (K, V), num_blocks, block_size, Hkv, D]; layers take views.
+
+    Zeroed: masked-out keys of a gathered page must hold finite values (0 * NaN is NaN)."""
     cache = torch.zeros(num_layers, 2, num_blocks, config.block_size, num_kv_heads, head_dim,
                         dtype=config.dtype, device=config.device)
-    gib = cache.numel() * cache.element_size() / (1 << 30)
-    logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB", num_blocks,
-                config.block_size, num_blocks * config.block_size, gib)
+    if log:
+        gib = cache.numel() * cache.element_size() / (1 << 30)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB", num_blocks,
+                    config.block_size, num_blocks * config.block_size, gib)
     return cache

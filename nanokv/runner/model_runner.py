@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from itertools import chain
 
 import torch
@@ -15,6 +16,7 @@ from nanokv.layers.sampler import Sampler, SamplerOutput, SamplingTensors, seed_
 from nanokv.loader import build_model
 from nanokv.models import get_model_class
 from nanokv.models.llama import head_dim
+from nanokv.runner.cuda_graph import DecodeGraphs
 from nanokv.runner.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 
 logger = logging.getLogger("nanokv")
@@ -30,29 +32,100 @@ class ModelRunner:
         self.vocab_size = hf.vocab_size
         self.block_size = config.block_size
         self.backend = get_backend(config.attention_backend)
-        num_layers, num_kv_heads, dim = hf.num_hidden_layers, hf.num_key_value_heads, head_dim(hf)
-        self.num_blocks = num_kv_blocks(config, bytes_per_block(config, num_layers, num_kv_heads, dim))
-        self.kv_cache = allocate_kv_cache(config, self.num_blocks, num_layers, num_kv_heads, dim)
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        assert len(layers) == num_layers
-        for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        assert len(self.attn_layers) == hf.num_hidden_layers
+        for layer in self.attn_layers:
             layer.backend = self.backend
+        self.kv_shape = (hf.num_hidden_layers, hf.num_key_value_heads, head_dim(hf))
+        use_graphs = (config.device.type == "cuda" and not config.enforce_eager
+                      and self.backend.supports_cuda_graphs)
+        activation_bytes = self._profile_activation_bytes(use_graphs) if config.device.type == "cuda" else 0
+        self.num_blocks = num_kv_blocks(config, bytes_per_block(config, *self.kv_shape), activation_bytes)
+        # one block more than the block manager hands out: the scratch block of padding rows
+        self._set_kv_cache(allocate_kv_cache(config, self.num_blocks + 1, *self.kv_shape))
+        self.graphs = None
+        if use_graphs:
+            self.graphs = DecodeGraphs(self.model, self.backend, self.block_size, config.max_num_seqs,
+                                       config.max_model_len, self.num_blocks, config.device)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.eos_token_ids = list(config.eos_token_ids)
+        self.num_steps = 0
+        self.forward_seconds = 0.0  # model forward + LM head, measured only after reset_timers()
+        self._timing = False
+
+    def _set_kv_cache(self, cache: torch.Tensor) -> None:
+        self.kv_cache = cache
+        for i, layer in enumerate(self.attn_layers):
+            layer.k_cache, layer.v_cache = cache[i, 0], cache[i, 1]
+
+    @torch.inference_mode()
+    def _profile_activation_bytes(self, with_graphs: bool) -> int:
+        """Peak GPU memory of the largest step beyond the weights (a full token budget of
+        prefill, logits for max_num_seqs rows), plus the decode activations CUDA graphs
+        keep in their pool."""
+        cfg, bs = self.config, self.block_size
+        seq_len = min(cfg.max_model_len - 1, cfg.max_num_batched_tokens)
+        num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens // seq_len))
+        per_seq = -(-seq_len // bs)
+        self._set_kv_cache(allocate_kv_cache(cfg, num_seqs * per_seq, *self.kv_shape, log=False))
+        from nanokv.engine.types import ScheduledBatch as _Batch
+
+        batch = _Batch()
+        params = _profile_params()
+        for i in range(num_seqs):
+            table = list(range(i * per_seq, (i + 1) * per_seq))
+            batch.seqs.append(ScheduledSeq(i, [0] * seq_len, 0, table, True, params))
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        input_ids, positions, meta, rows = self._prepare(batch)
+        self.backend.prepare(meta, bs)
+        hidden = self.model(input_ids, positions, meta)
+        logits = self.model.compute_logits(hidden[rows.repeat(-(-cfg.max_num_seqs // len(rows)))[:cfg.max_num_seqs]])
+        del hidden, logits
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        self._set_kv_cache(torch.empty(0))
+        torch.cuda.empty_cache()
+        # graphs keep one decode-sized activation set: small next to a prefill peak
+        graph_bytes = peak * cfg.max_num_seqs // max(cfg.max_num_batched_tokens, 1) if with_graphs else 0
+        logger.info("profiled activations: %.2f GiB peak, %.2f GiB reserved for CUDA graphs",
+                    peak / 2**30, graph_bytes / 2**30)
+        return peak + graph_bytes
+
+    def reset_timers(self) -> None:
+        """Start measuring time spent in the model forward (synchronises CUDA each step)."""
+        self.num_steps, self.forward_seconds, self._timing = 0, 0.0, True
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         input_ids, positions, meta, logits_rows = self._prepare(batch)
-        self.backend.prepare(meta, self.block_size)
-        hidden = self.model(input_ids, positions, meta)  # [T, hidden]
-        if logits_rows is None:
+        graphed = (self.graphs is not None and meta.num_decodes == meta.num_seqs
+                   and self.graphs.bucket_for(meta.num_seqs) is not None)
+        if not graphed:
+            self.backend.prepare(meta, self.block_size)
+        self.num_steps += 1
+        if self._timing:
+            self._sync()
+            start = time.perf_counter()
+        if graphed:
+            hidden = self.graphs.run(input_ids, positions, meta)  # [T, hidden]
+        else:
+            hidden = self.model(input_ids, positions, meta)  # [T, hidden]
+        logits = None if logits_rows is None else self.model.compute_logits(hidden[logits_rows])  # [N, vocab]
+        if self._timing:
+            self._sync()
+            self.forward_seconds += time.perf_counter() - start
+        if logits is None:
             return StepOutput()
-        logits = self.model.compute_logits(hidden[logits_rows])  # [N, vocab]
         rows = [s for s in batch.seqs if s.sample]
         out = self.sampler(logits, self._sampling_tensors(rows, logits.shape[-1]), self.generator)
         return StepOutput(out.tokens.tolist(), _logprobs(rows, out))
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _sampling_tensors(self, rows: list[ScheduledSeq], vocab: int) -> SamplingTensors:
         """Per-row settings as tensors; options no row uses stay None (no work)."""
@@ -111,10 +184,12 @@ class ModelRunner:
 
     def _prepare(self, batch: ScheduledBatch):
         seqs = batch.seqs
-        # decodes (one query token) first: the backends treat them as one group
-        order = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+        # Decodes (one query token) first, shortest context first, then prefill chunks,
+        # shortest first: backends that pad groups of similar sequences waste little.
+        order = sorted((i for i, s in enumerate(seqs) if len(s.token_ids) == 1), key=lambda i: seqs[i].start_pos)
         num_decodes = len(order)
-        order += [i for i, s in enumerate(seqs) if len(s.token_ids) != 1]
+        order += sorted((i for i, s in enumerate(seqs) if len(s.token_ids) != 1),
+                        key=lambda i: len(seqs[i].token_ids))
         ordered = [seqs[i] for i in order]
         q_lens = [len(s.token_ids) for s in ordered]
         starts = [s.start_pos for s in ordered]
@@ -169,3 +244,9 @@ def _logprobs(rows: list[ScheduledSeq], out: SamplerOutput) -> list[TokenLogprob
             result.append(TokenLogprobs(lp[i], ranks[i], top_ids[i][:n] if n else [],
                                         top_lp[i][:n] if n else []))
     return result
+
+
+def _profile_params():
+    from nanokv.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0)
