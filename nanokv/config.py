@@ -35,6 +35,7 @@ class EngineConfig:
     seed: int
     eos_token_ids: tuple[int, ...]
     attention_backend: str
+    tensor_parallel_size: int = 1
 
     @classmethod
     def create(
@@ -54,6 +55,7 @@ class EngineConfig:
         enforce_eager: bool = False,
         seed: int = 0,
         attention_backend: str = "auto",
+        tensor_parallel_size: int = 1,
     ) -> "EngineConfig":
         from nanokv.models import resolve_architecture
 
@@ -82,6 +84,7 @@ class EngineConfig:
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
 
+        _check_tensor_parallel(tensor_parallel_size, hf_config, dev)
         from nanokv.attention import resolve_backend
 
         backend = resolve_backend(attention_backend, dev, kvcache_block_size)
@@ -93,8 +96,26 @@ class EngineConfig:
             gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=bool(enable_prefix_caching), enforce_eager=bool(enforce_eager),
             seed=int(seed), eos_token_ids=tuple(_eos_token_ids(model, hf_config)),
-            attention_backend=backend,
+            attention_backend=backend, tensor_parallel_size=tensor_parallel_size,
         )
+
+
+def _check_tensor_parallel(n: int, hf_config, device: torch.device) -> None:
+    _check_int("tensor_parallel_size", n, 1)
+    if n == 1:
+        return
+    heads, kv_heads, vocab = hf_config.num_attention_heads, hf_config.num_key_value_heads, hf_config.vocab_size
+    if heads % n:
+        raise ValueError(f"tensor_parallel_size={n} must divide num_attention_heads={heads}")
+    if (kv_heads % n) if kv_heads >= n else (n % kv_heads):
+        raise ValueError(f"tensor_parallel_size={n} and num_key_value_heads={kv_heads}: one must divide "
+                         "the other (KV heads are split, or replicated when there are fewer than ranks)")
+    if vocab % n:
+        raise ValueError(f"tensor_parallel_size={n} must divide vocab_size={vocab} (vocab-parallel embedding)")
+    if hf_config.intermediate_size % n:
+        raise ValueError(f"tensor_parallel_size={n} must divide intermediate_size={hf_config.intermediate_size}")
+    if device.type == "cuda" and n > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={n} but only {torch.cuda.device_count()} CUDA devices are visible")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -42,6 +42,7 @@ class LLM:
         enforce_eager: bool = False,
         seed: int = 0,
         attention_backend: str = "auto",
+        tensor_parallel_size: int = 1,
     ):
         config = EngineConfig.create(
             model, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -50,11 +51,16 @@ class LLM:
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
-            attention_backend=attention_backend)
+            attention_backend=attention_backend, tensor_parallel_size=tensor_parallel_size)
         self.llm_engine = LLMEngine(config)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def close(self) -> None:
+        """Stop tensor-parallel worker processes now (they also stop when the LLM is
+        garbage collected or the program exits)."""
+        self.llm_engine.runner.close()
 
     def kv_stats(self) -> KVStats:
         """KV pool use, fragmentation, prefix-cache hits and preemptions so far."""

@@ -61,7 +61,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                 if (name, shard) in loaded:
                     raise ValueError(f"checkpoint tensor {ckpt_name} appears twice in {model_dir}")
                 loader = getattr(param, "weight_loader", default_weight_loader)
-                loader(param, f.get_tensor(ckpt_name), shard)
+                loader(param, f.get_slice(ckpt_name), shard)  # lazy: a rank reads its part only
                 loaded.add((name, shard))
     if unexpected:
         raise ValueError(f"unexpected tensors in {model_dir} for {type(model).__name__}: "
@@ -90,13 +90,16 @@ def _ckpt_name(name: str, shard: str | None) -> str:
 
 @torch.no_grad()
 def build_model(model_cls, hf_config, model_dir: str, dtype: torch.dtype, device: torch.device,
-                max_positions: int) -> nn.Module:
-    """Instantiate on the target device and dtype (no random init), then load weights."""
+                max_positions: int, tp=None) -> nn.Module:
+    """Instantiate on the target device and dtype (no random init), then load weights
+    (this rank's shard of them)."""
+    from nanokv.distributed import TP
+
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(hf_config, max_positions)
+            model = model_cls(hf_config, max_positions, tp or TP())
     finally:
         torch.set_default_dtype(default_dtype)
     load_weights(model, model_dir)

@@ -1,4 +1,9 @@
-"""Linear layers whose weights the loader fills, including fused (packed) projections."""
+"""Linear layers whose weights the loader fills: fused (packed) projections and their
+tensor-parallel splits (Megatron style).
+
+Weight loaders receive a lazy checkpoint tensor (a safetensors slice: `.get_shape()` and
+indexing) and read only this rank's part of it.
+"""
 
 from __future__ import annotations
 
@@ -6,49 +11,80 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanokv.distributed import TP
 
-def _check_shape(param_name: str, expected: torch.Size, got: torch.Size) -> None:
-    if expected != got:
+
+def _check_shape(param_name: str, expected, got) -> None:
+    if tuple(expected) != tuple(got):
         raise ValueError(f"checkpoint tensor for {param_name} has shape {tuple(got)}, "
                          f"the model config implies {tuple(expected)}")
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-    _check_shape(getattr(param, "nanokv_name", "a parameter"), param.shape, loaded.shape)
-    param.data.copy_(loaded)
+def default_weight_loader(param: nn.Parameter, loaded, shard_id=None) -> None:
+    """A replicated parameter: the whole tensor."""
+    _check_shape(getattr(param, "nanokv_name", "a parameter"), param.shape, loaded.get_shape())
+    param.data.copy_(loaded[:])
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). Plain: one checkpoint tensor per parameter."""
+    """y = x W^T (+ b), replicated on every rank."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.weight = _param(out_features, in_features)
+        self.bias = _param(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
 class PackedLinear(Linear):
-    """Several projections of the same input fused into one GEMM (q|k|v, gate|up).
+    """Several projections of the same input fused into one GEMM (q|k|v, gate|up), each
+    column-parallel: this rank keeps rows [start, start + size) of every projection.
 
-    Each checkpoint shard (named by shard_names) fills its row range of the weight.
+    shards: name -> (full rows in the checkpoint, start, size) for this rank.
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], shard_names: list[str],
-                 bias: bool = False):
-        super().__init__(in_features, sum(output_sizes), bias)
-        self.output_sizes = list(output_sizes)
-        offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
-        self.shards = {name: (off, size) for name, off, size in zip(shard_names, offsets, output_sizes)}
+    def __init__(self, in_features: int, shards: dict[str, tuple[int, int, int]], bias: bool = False):
+        self.output_sizes = [size for _, _, size in shards.values()]
+        super().__init__(in_features, sum(self.output_sizes), bias)
+        offsets = [sum(self.output_sizes[:i]) for i in range(len(shards))]
+        self.shards = {name: (full, start, size, off)
+                       for (name, (full, start, size)), off in zip(shards.items(), offsets)}
         for p in (self.weight, self.bias):
             if p is not None:
                 p.weight_loader = self._load_shard
-                p.shard_ids = tuple(shard_names)
+                p.shard_ids = tuple(shards)
 
-    def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
-        offset, size = self.shards[shard_id]
-        target = param.data.narrow(0, offset, size)
-        _check_shape(f"{getattr(param, 'nanokv_name', 'a parameter')}[{shard_id}]", target.shape, loaded.shape)
-        target.copy_(loaded)
+    def _load_shard(self, param: nn.Parameter, loaded, shard_id: str) -> None:
+        full, start, size, offset = self.shards[shard_id]
+        name = f"{getattr(param, 'nanokv_name', 'a parameter')}[{shard_id}]"
+        _check_shape(name, (full, *param.shape[1:]), loaded.get_shape())
+        param.data.narrow(0, offset, size).copy_(loaded[start:start + size])
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard W_shard^T) (+ b): this rank holds a slice of the input
+    columns; the partial products are summed across ranks."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TP, bias: bool = False):
+        super().__init__()
+        self.tp = tp
+        self.in_start, in_per_rank = tp.split(in_features)
+        self.in_features = in_features
+        self.weight = _param(out_features, in_per_rank)
+        self.weight.weight_loader = self._load_weight
+        self.bias = _param(out_features) if bias else None
+
+    def _load_weight(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        _check_shape(getattr(param, "nanokv_name", "a parameter"), (param.shape[0], self.in_features),
+                     loaded.get_shape())
+        param.data.copy_(loaded[:, self.in_start:self.in_start + param.shape[1]])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y

@@ -10,24 +10,31 @@ import torch
 from torch import nn
 
 from nanokv.attention.base import AttentionMetadata
+from nanokv.distributed import TP
 from nanokv.layers.activation import SiluAndMul
 from nanokv.layers.attention import Attention
-from nanokv.layers.embedding import Embedding, LMHead
-from nanokv.layers.linear import Linear, PackedLinear
+from nanokv.layers.embedding import LMHead, VocabParallelEmbedding
+from nanokv.layers.linear import PackedLinear, RowParallelLinear
 from nanokv.layers.norm import RMSNorm
 from nanokv.layers.rotary import RotaryEmbedding
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    """Heads split across tensor-parallel ranks; KV heads too, or replicated when there
+    are fewer KV heads than ranks."""
+
+    def __init__(self, cfg, rotary: RotaryEmbedding, tp: TP, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = head_dim(cfg)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = PackedLinear(cfg.hidden_size, [q_size, kv_size, kv_size],
-                                     ["q_proj", "k_proj", "v_proj"], bias=qkv_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=o_bias)
+        d = self.head_dim = head_dim(cfg)
+        total_heads, total_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.num_heads = total_heads // tp.size
+        first_kv, self.num_kv_heads = kv_heads_of_rank(total_kv, tp)
+        self.qkv_proj = PackedLinear(cfg.hidden_size, {
+            "q_proj": (total_heads * d, tp.rank * self.num_heads * d, self.num_heads * d),
+            "k_proj": (total_kv * d, first_kv * d, self.num_kv_heads * d),
+            "v_proj": (total_kv * d, first_kv * d, self.num_kv_heads * d),
+        }, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(total_heads * d, cfg.hidden_size, tp, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
@@ -47,11 +54,13 @@ class DecoderAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool):
+    def __init__(self, hidden: int, intermediate: int, tp: TP, bias: bool):
         super().__init__()
-        self.gate_up_proj = PackedLinear(hidden, [intermediate, intermediate],
-                                         ["gate_proj", "up_proj"], bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        start, per_rank = tp.split(intermediate)
+        self.gate_up_proj = PackedLinear(hidden, {
+            "gate_proj": (intermediate, start, per_rank), "up_proj": (intermediate, start, per_rank),
+        }, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, tp, bias=bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,12 +68,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, rotary, qkv_bias, o_bias, qk_norm, mlp_bias):
+    def __init__(self, cfg, rotary, tp, qkv_bias, o_bias, qk_norm, mlp_bias):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DecoderAttention(cfg, rotary, qkv_bias, o_bias, qk_norm)
+        self.self_attn = DecoderAttention(cfg, rotary, tp, qkv_bias, o_bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, mlp_bias)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp, mlp_bias)
 
     def forward(self, positions, x, meta):
         x = x + self.self_attn(positions, self.input_layernorm(x), meta)
@@ -72,12 +81,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg, max_positions, qkv_bias, o_bias, qk_norm, mlp_bias):
+    def __init__(self, cfg, max_positions, tp, qkv_bias, o_bias, qk_norm, mlp_bias):
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         rotary = RotaryEmbedding(cfg, head_dim(cfg), max_positions)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, rotary, qkv_bias, o_bias, qk_norm, mlp_bias)
+            DecoderLayer(cfg, rotary, tp, qkv_bias, o_bias, qk_norm, mlp_bias)
             for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -96,12 +105,12 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
     }
 
-    def __init__(self, cfg, max_positions: int):
+    def __init__(self, cfg, max_positions: int, tp: TP = TP()):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, max_positions, **self.variant(cfg))
+        self.model = DecoderModel(cfg, max_positions, tp, **self.variant(cfg))
         tied = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, self.model.embed_tokens if tied else None)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp, self.model.embed_tokens if tied else None)
 
     @staticmethod
     def variant(cfg) -> dict:
@@ -112,8 +121,16 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # [N, vocab] float32
+        return self.lm_head(hidden)  # [N, vocab / tp] float32
 
 
 def head_dim(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def kv_heads_of_rank(total_kv: int, tp: TP) -> tuple[int, int]:
+    """(first KV head, count) held by this rank: a split, or one replicated head when
+    there are fewer KV heads than ranks."""
+    if total_kv >= tp.size:
+        return tp.split(total_kv)
+    return tp.rank * total_kv // tp.size, 1

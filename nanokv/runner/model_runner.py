@@ -8,8 +8,12 @@ from itertools import chain
 
 import torch
 
+import torch.distributed as dist
+
+from nanokv import distributed as tpd
 from nanokv.attention import AttentionMetadata, get_backend
 from nanokv.config import EngineConfig
+from nanokv.distributed import TP
 from nanokv.engine.types import ScheduledBatch, ScheduledSeq, StepOutput, TokenLogprobs
 from nanokv.layers.attention import Attention
 from nanokv.layers.sampler import Sampler, SamplerOutput, SamplingTensors, seed_for_token
@@ -23,12 +27,22 @@ logger = logging.getLogger("nanokv")
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    """Rank 0 (the engine's process) drives; with tensor_parallel_size > 1 it first spawns
+    the worker ranks, which build the same runner on their shard and serve() steps."""
+
+    def __init__(self, config: EngineConfig, tp: TP | None = None, init_method: str | None = None):
         self.config = config
+        self.tp = tp or TP(0, config.tensor_parallel_size)
         self.device = config.device
+        if self.tp.rank > 0 and config.device.type == "cuda":
+            self.device = torch.device("cuda", self.tp.rank)
+            torch.cuda.set_device(self.device)
+        self.workers = []
+        if self.tp.size > 1:
+            self._start_group(init_method)
         hf = config.hf_config
         self.model = build_model(get_model_class(config.architecture), hf, config.model,
-                                 config.dtype, config.device, config.max_model_len)
+                                 config.dtype, self.device, config.max_model_len, self.tp)
         self.vocab_size = hf.vocab_size
         self.block_size = config.block_size
         self.backend = get_backend(config.attention_backend)
@@ -36,11 +50,15 @@ class ModelRunner:
         assert len(self.attn_layers) == hf.num_hidden_layers
         for layer in self.attn_layers:
             layer.backend = self.backend
-        self.kv_shape = (hf.num_hidden_layers, hf.num_key_value_heads, head_dim(hf))
+        self.kv_shape = (hf.num_hidden_layers, self.attn_layers[0].num_kv_heads, head_dim(hf))
         use_graphs = (config.device.type == "cuda" and not config.enforce_eager
-                      and self.backend.supports_cuda_graphs)
+                      and self.backend.supports_cuda_graphs and self.tp.size == 1)
         activation_bytes = self._profile_activation_bytes(use_graphs) if config.device.type == "cuda" else 0
         self.num_blocks = num_kv_blocks(config, bytes_per_block(config, *self.kv_shape), activation_bytes)
+        if self.tp.size > 1:  # every rank must hand out the same block ids: take the smallest pool
+            n = torch.tensor([self.num_blocks], device=self.device)
+            dist.all_reduce(n, op=dist.ReduceOp.MIN)
+            self.num_blocks = int(n.item())
         # one block more than the block manager hands out: the scratch block of padding rows
         self._set_kv_cache(allocate_kv_cache(config, self.num_blocks + 1, *self.kv_shape))
         self.graphs = None
@@ -48,11 +66,83 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.backend, self.block_size, config.max_num_seqs,
                                        config.max_model_len, self.num_blocks, config.device)
         self.sampler = Sampler()
-        self.generator = torch.Generator(device=config.device).manual_seed(config.seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        if self.tp.rank == 0 and self.tp.size > 1:
+            self._wait_for_workers()
         self.eos_token_ids = list(config.eos_token_ids)
         self.num_steps = 0
         self.forward_seconds = 0.0  # model forward + LM head, measured only after reset_timers()
         self._timing = False
+
+    # ---- tensor parallelism ---------------------------------------------------------------
+    def _start_group(self, init_method: str | None) -> None:
+        if self.tp.rank == 0:
+            import multiprocessing as mp
+            import weakref
+
+            init_method = f"tcp://127.0.0.1:{tpd.free_port()}"
+            ctx = mp.get_context("spawn")
+            pipes = []
+            for rank in range(1, self.tp.size):
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=tpd.worker_main, daemon=True, name=f"nanokv-tp{rank}",
+                                   args=(self.config, rank, self.tp.size, init_method, send))
+                proc.start()
+                self.workers.append(proc)
+                pipes.append(recv)
+            self._finalizer = weakref.finalize(self, _shutdown, self.workers, self.device)
+        tpd.init_group(self.tp.rank, self.tp.size, init_method, self.device)
+        if self.tp.rank == 0:
+            self._ready_pipes = pipes
+
+    def _wait_for_workers(self) -> None:
+        for rank, pipe in enumerate(self._ready_pipes, start=1):
+            if not pipe.poll(tpd.TIMEOUT.total_seconds()):
+                self.close()
+                raise RuntimeError(f"tensor-parallel worker {rank} did not start in time")
+            status = pipe.recv()
+            if status != "ok":
+                self.close()
+                raise RuntimeError(f"tensor-parallel worker {rank} failed to start: {status}")
+
+    def check_workers(self) -> None:
+        dead = [(i + 1, p.exitcode) for i, p in enumerate(self.workers) if not p.is_alive()]
+        if dead:
+            self.close()
+            raise RuntimeError(f"tensor-parallel worker(s) died: {', '.join(f'rank {r} (exit code {c})' for r, c in dead)}"
+                               "; the engine cannot continue, create a new LLM")
+
+    def close(self) -> None:
+        """Stop the worker ranks (rank 0 only; idempotent)."""
+        if self.workers and getattr(self, "_finalizer", None) is not None:
+            self._finalizer()
+
+    @torch.inference_mode()
+    def serve(self) -> None:
+        """Worker ranks: run the steps rank 0 broadcasts until it says stop."""
+        header = torch.empty(tpd.HEADER_LEN, dtype=torch.long, device=self.device)
+        while True:
+            dist.broadcast(header, src=0)
+            values = header.tolist()
+            if values[0] == tpd.OP_SHUTDOWN:
+                return
+            size = 3 * values[1] + (values[2] + 1) + values[2] + values[2] * values[4] + values[5]
+            payload = torch.empty(size, dtype=torch.long, device=self.device)
+            dist.broadcast(payload, src=0)
+            ids, positions, slots, qsl, seq_lens, tables, rows, num_decodes = tpd.unpack_step(values, payload)
+            q_lens = (qsl[1:] - qsl[:-1]).tolist()
+            seq_lens_cpu = seq_lens.tolist()
+            meta = AttentionMetadata(slots, qsl, seq_lens, tables, num_decodes, max(q_lens), max(seq_lens_cpu),
+                                     q_lens, seq_lens_cpu)
+            self.backend.prepare(meta, self.block_size)
+            hidden = self.model(ids, positions, meta)
+            if rows is not None:
+                dist.gather(self.model.compute_logits(hidden[rows]).contiguous(), dst=0)
+
+    def _gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(local) for _ in range(self.tp.size)]
+        dist.gather(local.contiguous(), parts, dst=0)
+        return torch.cat(parts, dim=-1)
 
     def _set_kv_cache(self, cache: torch.Tensor) -> None:
         self.kv_cache = cache
@@ -101,6 +191,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         input_ids, positions, meta, logits_rows = self._prepare(batch)
+        if self.tp.size > 1:
+            self.check_workers()
+            tpd.broadcast_step(*tpd.pack_step(input_ids, positions, meta.slot_mapping, meta.query_start_loc,
+                                              meta.seq_lens, meta.block_tables, logits_rows,
+                                              meta.num_decodes, self.device))
         graphed = (self.graphs is not None and meta.num_decodes == meta.num_seqs
                    and self.graphs.bucket_for(meta.num_seqs) is not None)
         if not graphed:
@@ -113,7 +208,9 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, meta)  # [T, hidden]
         else:
             hidden = self.model(input_ids, positions, meta)  # [T, hidden]
-        logits = None if logits_rows is None else self.model.compute_logits(hidden[logits_rows])  # [N, vocab]
+        logits = None if logits_rows is None else self.model.compute_logits(hidden[logits_rows])  # [N, vocab / tp]
+        if logits is not None and self.tp.size > 1:
+            logits = self._gather_logits(logits)  # [N, vocab]
         if self._timing:
             self._sync()
             self.forward_seconds += time.perf_counter() - start
@@ -250,3 +347,21 @@ def _profile_params():
     from nanokv.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0)
+
+
+def _shutdown(workers, device: torch.device) -> None:
+    """Tell the worker ranks to stop, wait briefly, then make sure they are gone."""
+    try:
+        if dist.is_initialized():
+            if all(p.is_alive() for p in workers):
+                stop = torch.zeros(tpd.HEADER_LEN, dtype=torch.long, device=device)
+                stop[0] = tpd.OP_SHUTDOWN
+                dist.broadcast(stop, src=0)
+            dist.destroy_process_group()
+    except Exception:  # a broken group: the workers are killed below anyway
+        pass
+    for p in workers:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)

@@ -1,0 +1,86 @@
+"""Tensor parallelism on the CPU with gloo: TP=2 equals TP=1 and HF token for token;
+bad sizes raise ValueError; a dead worker makes generate raise instead of hanging."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from nanokv import LLM, SamplingParams
+from nanokv.tiny import GENERATION_EOS_TOKEN_IDS
+
+from .conftest import hf_greedy, random_prompts
+
+PROMPTS = random_prompts([1, 6, 19, 40, 75], 1024, seed=13)
+MAX_TOKENS = [10, 14, 6, 12, 9]
+
+
+def generate(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS):
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens]
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
+            for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("shape, overrides", [
+    ("qwen3-tiny", {}),  # 4 heads / 2 KV heads: both split
+    ("llama3-tiny", dict(num_key_value_heads=1)),  # MQA: the KV head is replicated
+    ("qwen2-tiny", {}),  # q/k/v bias split with the heads, untied head
+])
+def test_tp2_equals_tp1_and_hf(checkpoint, shape, overrides):
+    model_dir = checkpoint(shape, **overrides)
+    expected = hf_greedy(model_dir, PROMPTS, MAX_TOKENS, GENERATION_EOS_TOKEN_IDS)
+    assert generate(LLM(model_dir)) == expected
+    llm = LLM(model_dir, tensor_parallel_size=2, num_kvcache_blocks=12, kvcache_block_size=8,
+              max_model_len=96, max_num_batched_tokens=64)  # a full pool and chunked prefill too
+    try:
+        assert generate(llm) == expected
+        assert llm.kv_stats().peak_used_blocks == 12
+    finally:
+        llm.close()
+    assert not any(p.is_alive() for p in llm.llm_engine.runner.workers)
+
+
+def test_bad_tensor_parallel_sizes(checkpoint):
+    model_dir = checkpoint("qwen3-tiny")  # 4 heads, 2 KV heads, vocab 1024, intermediate 128
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        LLM(model_dir, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(model_dir, tensor_parallel_size=0)
+    odd_vocab = checkpoint("qwen3-tiny", vocab_size=1025)
+    with pytest.raises(ValueError, match="vocab_size"):
+        LLM(odd_vocab, tensor_parallel_size=2)
+
+
+def test_killed_worker_makes_generate_raise_promptly(checkpoint):
+    model_dir = checkpoint("qwen3-tiny")
+    llm = LLM(model_dir, tensor_parallel_size=2)
+    (worker,) = llm.llm_engine.runner.workers
+    generate(llm)
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(timeout=10)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker"):
+        generate(llm)
+    assert time.monotonic() - start < 30
+    llm.close()
+
+
+def test_worker_killed_during_a_step_does_not_hang(checkpoint):
+    """Killed while rank 0 waits in a collective: gloo reports the lost peer."""
+    model_dir = checkpoint("qwen3-tiny")
+    llm = LLM(model_dir, tensor_parallel_size=2)
+    (worker,) = llm.llm_engine.runner.workers
+    engine = llm.llm_engine
+    engine.add_request(list(range(4, 200)), SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    engine.step()
+    start = time.monotonic()
+    with pytest.raises(Exception):
+        for i in range(1000):
+            if i == 3:
+                os.kill(worker.pid, signal.SIGKILL)
+            engine.step()
+    assert time.monotonic() - start < 60
+    llm.close()
