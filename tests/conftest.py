@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 
-# Triton kernels run on CPU tensors in Triton's interpreter; it must be on before triton loads.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
-import torch
+import torch  # importing torch does not import triton
+
+# Without a GPU, Triton kernels run on CPU tensors in Triton's interpreter, which must be
+# switched on before triton loads. With a GPU they compile for it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from nanokv.tiny import build_tiny_checkpoint
 
