@@ -23,7 +23,7 @@ class DecoderAttention(nn.Module):
     """Heads split across tensor-parallel ranks; KV heads too, or replicated when there
     are fewer KV heads than ranks."""
 
-    def __init__(self, cfg, rotary: RotaryEmbedding, tp: TP, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, cfg, tp: TP, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
         d = self.head_dim = head_dim(cfg)
         total_heads, total_kv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -37,10 +37,9 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(total_heads * d, cfg.hidden_size, tp, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
-        self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -48,7 +47,7 @@ class DecoderAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(q, k, *rope)
         o = self.attn(q, k, v, meta)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, -1))
 
@@ -68,15 +67,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, rotary, tp, qkv_bias, o_bias, qk_norm, mlp_bias):
+    def __init__(self, cfg, tp, qkv_bias, o_bias, qk_norm, mlp_bias):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DecoderAttention(cfg, rotary, tp, qkv_bias, o_bias, qk_norm)
+        self.self_attn = DecoderAttention(cfg, tp, qkv_bias, o_bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp, mlp_bias)
 
-    def forward(self, positions, x, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+    def forward(self, rope, x, meta):
+        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -84,16 +83,17 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg, max_positions, tp, qkv_bias, o_bias, qk_norm, mlp_bias):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        rotary = RotaryEmbedding(cfg, head_dim(cfg), max_positions)
+        self.rotary = RotaryEmbedding(cfg, head_dim(cfg), max_positions)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, rotary, tp, qkv_bias, o_bias, qk_norm, mlp_bias)
+            DecoderLayer(cfg, tp, qkv_bias, o_bias, qk_norm, mlp_bias)
             for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary.lookup(positions, x.dtype)
         for layer in self.layers:
-            x = layer(positions, x, meta)
+            x = layer(rope, x, meta)
         return self.norm(x)
 
 
