@@ -648,6 +648,9 @@ def _sampling_params(args) -> SamplingParams:
 
 
 def engine_kwargs_from_args(args, rank: Rank) -> dict:
+    if rank.world_size > 1 and args.tensor_parallel_size > 1:
+        raise InputError("--tensor-parallel-size > 1 cannot be combined with torchrun data parallelism "
+                         "(each process would need several devices); use one or the other")
     device = args.device
     if rank.world_size > 1 and device in ("auto", "cuda"):
         device = f"cuda:{rank.local_rank}" if _cuda_available() else "cpu"
@@ -656,7 +659,8 @@ def engine_kwargs_from_args(args, rank: Rank) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, kvcache_block_size=args.kvcache_block_size,
         num_kvcache_blocks=args.num_kvcache_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_prefix_caching,
-        enforce_eager=args.enforce_eager, seed=args.seed, attention_backend=args.attention_backend)
+        enforce_eager=args.enforce_eager, seed=args.seed, attention_backend=args.attention_backend,
+        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _cuda_available() -> bool:
@@ -712,6 +716,8 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--enforce-eager", action="store_true")
     eng.add_argument("--seed", type=int, default=0)
     eng.add_argument("--attention-backend", default="auto")
+    eng.add_argument("--tensor-parallel-size", type=int, default=1,
+                     help="shard the model over N devices (not with torchrun data parallelism)")
 
     d = SamplingParams()
     smp = gen.add_argument_group("sampling (SamplingParams defaults; a line's \"sampling_params\" overrides)")
