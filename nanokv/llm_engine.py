@@ -102,7 +102,8 @@ class LLMEngine:
         elif str(request_id) in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use; pick a unique id")
         request_id = str(request_id)
-        max_tokens = min(params.max_tokens, max_len - len(token_ids))
+        room = max_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         req = _Request(request_id, text, token_ids, params, stream)
         for i in range(params.n):
             req.seqs.append(Sequence(request_id, token_ids, params, max_tokens, index=i))

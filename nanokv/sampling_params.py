@@ -15,8 +15,8 @@ class SamplingParams:
         whose probability reaches top_p (1: off). min_p: drop tokens below min_p times
         the top probability (0: off). All three apply after temperature.
     seed: per-request seed; the same seed gives the same tokens whatever else runs.
-    max_tokens: generated-token limit, clamped so prompt + output fits max_model_len (the
-        request then ends with finish_reason "length").
+    max_tokens: generated-token limit (None: up to max_model_len), clamped so prompt +
+        output fits max_model_len (the request then ends with finish_reason "length").
     min_tokens: EOS, stop_token_ids and stop strings are ignored before this many tokens.
     stop: strings that end generation; the text is cut before them unless
         include_stop_str_in_output. stop_token_ids: tokens that end generation (kept).
@@ -33,7 +33,7 @@ class SamplingParams:
     top_k: int = -1
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     ignore_eos: bool = False
     stop: str | list[str] | None = None
@@ -55,9 +55,10 @@ class SamplingParams:
         _number("min_p", self.min_p, 0, 1)
         if self.seed is not None:
             _int("seed", self.seed, None)
-        _int("max_tokens", self.max_tokens, 1)
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens, 1)
         _int("min_tokens", self.min_tokens, 0)
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.stop is None:
             self.stop = []

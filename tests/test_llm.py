@@ -79,6 +79,9 @@ def test_max_tokens_is_clamped_to_max_model_len(model_dir):
     out = small.generate(prompt, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
                          use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
+    unbounded = small.generate(prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0]
+    assert len(unbounded.token_ids) == 4 and unbounded.finish_reason == "length"
 
 
 def test_sampling_is_seeded_and_valid(model_dir):
