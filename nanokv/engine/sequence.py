@@ -30,14 +30,13 @@ class Sequence:
     __slots__ = (
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_table", "block_hashes", "num_hashed_blocks", "status", "params", "max_tokens",
-        "stop_token_ids", "finish_reason", "stop_reason", "num_cached_tokens", "arrival",
+        "stop_token_ids", "finish_reason", "stop_reason", "num_cached_tokens",
         "index", "seed", "logprobs", "cumulative_logprob",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  max_tokens: int, index: int = 0):
         self.seq_id = next(_seq_ids)
-        self.arrival = self.seq_id
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
