@@ -176,7 +176,9 @@ class ModelRunner:
         del hidden, logits
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
-        self._set_kv_cache(torch.empty(0))
+        self.kv_cache = None  # release the profiling pool before sizing the real one
+        for layer in self.attn_layers:
+            layer.k_cache = layer.v_cache = torch.empty(0)
         torch.cuda.empty_cache()
         # graphs keep one decode-sized activation set: small next to a prefill peak
         graph_bytes = peak * cfg.max_num_seqs // max(cfg.max_num_batched_tokens, 1) if with_graphs else 0

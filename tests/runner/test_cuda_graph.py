@@ -79,3 +79,19 @@ def test_bf16_agrees_with_hf(checkpoint):
         hf_next = hf(full).logits[0, len(prompt) - 1:-1].argmax(-1).tolist()
     agree = sum(a == b for a, b in zip(out.token_ids, hf_next)) / len(hf_next)
     assert agree >= 0.95
+
+
+def test_gpu_memory_profiling_control_flow_on_cpu(checkpoint, monkeypatch):
+    """The CUDA sizing path (profile a max-size step, then size the pool) run on the CPU
+    with torch.cuda's memory counters stubbed: catches shape and bookkeeping errors that
+    would otherwise surface only on a GPU."""
+    model_dir = checkpoint("qwen3-tiny")
+    llm = LLM(model_dir, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=300)
+    runner = llm.llm_engine.runner
+    counters = iter(range(1000, 10**9, 1000))
+    for name, fn in dict(synchronize=lambda *a: None, memory_allocated=lambda *a: 0,
+                         reset_peak_memory_stats=lambda *a: None, empty_cache=lambda: None,
+                         max_memory_allocated=lambda *a: next(counters)).items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    assert runner._profile_activation_bytes(with_graphs=True) > 0
+    assert runner.kv_cache is None and all(layer.k_cache.numel() == 0 for layer in runner.attn_layers)
