@@ -34,6 +34,20 @@ def checkpoint(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def model_dir(checkpoint):
+    """The default tiny checkpoint (Qwen3 shape) most API tests run on."""
+    return checkpoint("qwen3-tiny")
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    """One engine per test module on the default tiny checkpoint."""
+    from nanokv import LLM
+
+    return LLM(model_dir, max_model_len=512)
+
+
 def random_prompts(lengths, vocab, seed=0):
     g = torch.Generator().manual_seed(seed)
     # ids >= 4 keep the special and eos tokens out of prompts

@@ -33,11 +33,6 @@ GREEDY = ["--temperature", "0", "--max-tokens", "8", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
-def model_dir(checkpoint):
-    return checkpoint("qwen3-tiny")
-
-
-@pytest.fixture(scope="module")
 def llm(model_dir):
     return LLM(model_dir)
 

@@ -5,18 +5,12 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 
 from nanokv import LLM, SamplingParams
 
 from .conftest import random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(checkpoint):
-    return checkpoint("qwen3-tiny")
 
 
 def check_stats(engine):

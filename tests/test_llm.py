@@ -16,16 +16,6 @@ from nanokv.tiny import GENERATION_EOS_TOKEN_IDS
 from .conftest import hf_greedy, random_prompts
 
 
-@pytest.fixture(scope="module")
-def model_dir(checkpoint):
-    return checkpoint("qwen3-tiny")
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(model_dir, max_model_len=512)
-
-
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 

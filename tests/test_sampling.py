@@ -14,16 +14,6 @@ from nanokv.layers.sampler import Sampler, SamplingTensors
 from .conftest import random_prompts
 
 
-@pytest.fixture(scope="module")
-def model_dir(checkpoint):
-    return checkpoint("qwen3-tiny")
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(model_dir, max_model_len=512)
-
-
 def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 

@@ -11,18 +11,24 @@ from nanokv.distributed import TP
 from nanokv.layers.linear import _check_shape
 
 
+def vocab_parallel_param(vocab_size: int, dim: int, tp: TP) -> tuple[nn.Parameter, int]:
+    """This rank's [vocab / tp, dim] rows and their first id; the loader reads only those."""
+    start, per_rank = tp.split(vocab_size)
+    param = nn.Parameter(torch.empty(per_rank, dim), requires_grad=False)
+
+    def load(p: nn.Parameter, loaded, shard_id=None) -> None:
+        _check_shape(getattr(p, "nanokv_name", "a parameter"), (vocab_size, dim), loaded.get_shape())
+        p.data.copy_(loaded[start:start + per_rank])
+
+    param.weight_loader = load
+    return param, start
+
+
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, dim: int, tp: TP):
         super().__init__()
-        self.tp, self.vocab_size = tp, vocab_size
-        self.start, per_rank = tp.split(vocab_size)
-        self.weight = nn.Parameter(torch.empty(per_rank, dim), requires_grad=False)
-        self.weight.weight_loader = self._load
-
-    def _load(self, param: nn.Parameter, loaded, shard_id=None) -> None:
-        _check_shape(getattr(param, "nanokv_name", "a parameter"), (self.vocab_size, param.shape[1]),
-                     loaded.get_shape())
-        param.data.copy_(loaded[self.start:self.start + param.shape[0]])
+        self.tp = tp
+        self.weight, self.start = vocab_parallel_param(vocab_size, dim, tp)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, dim]
         if self.tp.size == 1:
@@ -41,10 +47,7 @@ class LMHead(nn.Module):
         if tied_to is not None:
             self.weight = tied_to.weight  # the same Parameter: loaded once, stored once
         else:
-            self.start, per_rank = tp.split(vocab_size)
-            self.vocab_size = vocab_size
-            self.weight = nn.Parameter(torch.empty(per_rank, dim), requires_grad=False)
-            self.weight.weight_loader = VocabParallelEmbedding._load.__get__(self)
+            self.weight, _ = vocab_parallel_param(vocab_size, dim, tp)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab / tp] fp32
         return F.linear(hidden, self.weight).float()
