@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 
-
 from nanokv import LLM, SamplingParams
 
 from .conftest import random_prompts
