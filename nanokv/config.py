@@ -87,7 +87,8 @@ class EngineConfig:
         _check_tensor_parallel(tensor_parallel_size, hf_config, dev)
         from nanokv.attention import resolve_backend
 
-        backend = resolve_backend(attention_backend, dev, kvcache_block_size)
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        backend = resolve_backend(attention_backend, dev, kvcache_block_size, torch_dtype, head_dim)
         return cls(
             model=model, hf_config=hf_config, architecture=architecture, dtype=torch_dtype,
             device=dev, max_model_len=max_model_len, max_num_seqs=max_num_seqs,

@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from nanokv import kernels
 from nanokv.layers.linear import default_weight_loader
 
 # Buffers some checkpoints carry that the model recomputes itself.
@@ -103,4 +104,15 @@ def build_model(model_cls, hf_config, model_dir: str, dtype: torch.dtype, device
     finally:
         torch.set_default_dtype(default_dtype)
     load_weights(model, model_dir)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if dtype == torch.float32 and torch.device(device).type == "cpu" and kernels.available():
+        enable_cpu_kernels(model)
+    return model
+
+
+def enable_cpu_kernels(model: nn.Module) -> None:
+    """Switch every layer with a C path (nanokv/kernels) to it: projections pack their
+    weights for the GEMM kernel; norms, rotary and the activation fuse their passes."""
+    for m in model.modules():
+        if hasattr(m, "use_cpu_kernels"):
+            m.use_cpu_kernels()

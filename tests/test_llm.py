@@ -227,6 +227,9 @@ def test_missing_and_unexpected_tensors_are_named(model_dir, tmp_path):
                         tie_word_embeddings=False)),  # MHA, small head_dim, untied
     ("qwen2-tiny", dict(rope_theta=1000.0, rope_scaling={"rope_type": "linear", "factor": 2.0})),
     ("llama3-tiny", dict(max_shard_size="60KB")),  # sharded with an index file
+    # head_dim 12: no C attention kernel (needs a multiple of 8), torch attention instead
+    ("qwen3-tiny", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=12)),
+    ("llama3-tiny", dict(attention_bias=True, mlp_bias=True)),  # biases through the GEMM kernel
 ])
 def test_checkpoint_variants_equal_hf(checkpoint, shape, overrides):
     d = checkpoint(shape, **overrides)

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanokv.distributed import TP
-from nanokv.layers.linear import _check_shape
+from nanokv import kernels
+from nanokv.layers.linear import _Matmul, _check_shape
 
 
 def vocab_parallel_param(vocab_size: int, dim: int, tp: TP) -> tuple[nn.Parameter, int]:
@@ -39,15 +40,23 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(x * mine[:, None].to(x.dtype))
 
 
-class LMHead(nn.Module):
+class LMHead(_Matmul):
     """Logits for this rank's vocabulary slice; the runner gathers them on rank 0."""
 
     def __init__(self, vocab_size: int, dim: int, tp: TP, tied_to: VocabParallelEmbedding | None = None):
         super().__init__()
-        if tied_to is not None:
+        self.tied = tied_to is not None
+        if self.tied:
             self.weight = tied_to.weight  # the same Parameter: loaded once, stored once
         else:
             self.weight, _ = vocab_parallel_param(vocab_size, dim, tp)
 
+    def use_cpu_kernels(self) -> None:
+        if not self.tied:
+            return super().use_cpu_kernels()
+        # the embedding still needs its rows: the packed panels are a second copy
+        self.packed = kernels.pack_weight(self.weight.data)
+        self.out_features = self.weight.shape[0]
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab / tp] fp32
-        return F.linear(hidden, self.weight).float()
+        return self.matmul(hidden).float()

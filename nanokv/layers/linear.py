@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanokv import kernels
 from nanokv.distributed import TP
 
 
@@ -30,7 +31,24 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class Linear(nn.Module):
+class _Matmul(nn.Module):
+    """x W^T, through the CPU GEMM kernel once use_cpu_kernels() has packed W, else torch's."""
+
+    packed: torch.Tensor | None = None  # kernels.pack_weight(W): W's only copy once packed
+
+    def use_cpu_kernels(self) -> None:
+        self.packed = kernels.pack_weight(self.weight.data)
+        self.out_features = self.weight.shape[0]
+        self.weight = None  # one copy of the weights, not two
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, bias)
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        return kernels.linear(flat, self.packed, self.out_features, bias).view(*x.shape[:-1], -1)
+
+
+class Linear(_Matmul):
     """y = x W^T (+ b), replicated on every rank."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -39,7 +57,7 @@ class Linear(nn.Module):
         self.bias = _param(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class PackedLinear(Linear):
@@ -67,7 +85,7 @@ class PackedLinear(Linear):
         param.data.narrow(0, offset, size).copy_(loaded[start:start + size])
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Matmul):
     """y = all_reduce(x_shard W_shard^T) (+ b): this rank holds a slice of the input
     columns; the partial products are summed across ranks."""
 
@@ -86,5 +104,5 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded[:, self.in_start:self.in_start + param.shape[1]])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.matmul(x))
         return y + self.bias if self.bias is not None else y

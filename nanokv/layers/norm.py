@@ -5,14 +5,33 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanokv import kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.cpu_kernels = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def use_cpu_kernels(self) -> None:
+        self.cpu_kernels = True
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """RMSNorm(x); with residual: (RMSNorm(x + residual), x + residual), the sum
+        becoming the next residual (fused in one pass on the CPU kernels)."""
+        if self.cpu_kernels:
+            if residual is None:
+                return kernels.rmsnorm(x.contiguous(), self.weight, self.eps)
+            residual = residual.contiguous()
+            return kernels.rmsnorm(x.contiguous(), self.weight, self.eps, residual), residual
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanokv import kernels
 from nanokv.attention.base import AttentionMetadata
 from nanokv.distributed import TP
 from nanokv.layers.activation import SiluAndMul
@@ -38,16 +39,26 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.cpu_kernels = False
+
+    def use_cpu_kernels(self) -> None:
+        self.cpu_kernels = self.head_dim % 2 == 0
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, k, *rope)
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
+        v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.cpu_kernels:  # q/k norm and rotary in one pass over the rows
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None, 0.0)
+            q, k = kernels.qk_norm_rope(qkv.contiguous(), self.num_heads, self.num_kv_heads, self.head_dim,
+                                        *norms, *(r.view(T, -1) for r in rope))
+        else:
+            q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
+            k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = RotaryEmbedding.apply(q, k, *rope)
         o = self.attn(q, k, v, meta)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, -1))
 
@@ -74,9 +85,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp, mlp_bias)
 
-    def forward(self, rope, x, meta):
-        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope, x, residual, meta):
+        """(x, residual) -> (mlp output, residual): each residual add is fused into the
+        norm that follows it (HF's order of additions, so the same sums)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(rope, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -92,9 +110,10 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary.lookup(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(rope, x, meta)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, meta)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -44,10 +44,29 @@ def assert_same(outputs, expected, prompts):
         assert got.finish_reason == reason, f"prompt {i}"
 
 
+@pytest.fixture(params=["cpu-kernels", "torch"])
+def cpu_path(request, monkeypatch):
+    """Both CPU paths: the C kernels (the default when they build) and pure torch."""
+    from nanokv import kernels
+
+    if request.param == "torch":
+        monkeypatch.setattr(kernels, "available", lambda: False)
+    elif not kernels.available():
+        pytest.skip("no C compiler: CPU kernels not built")
+    return request.param
+
+
+def assert_path(llm, path):
+    model = llm.llm_engine.runner.model
+    assert llm.llm_engine.config.attention_backend == ("cpu" if path == "cpu-kernels" else "torch")
+    assert (model.lm_head.packed is not None) == (path == "cpu-kernels")
+
+
 @pytest.mark.parametrize("shape", SHAPES)
-def test_batch_equals_hf(shape, reference):
+def test_batch_equals_hf(shape, reference, cpu_path):
     model_dir, prompts, expected = reference(shape)
     llm = LLM(model_dir)
+    assert_path(llm, cpu_path)
     assert_same(generate(llm, prompts), expected, prompts)
     assert llm.llm_engine.scheduler.num_preemptions == 0
 
@@ -67,9 +86,10 @@ def test_preemption_equals_hf(shape, checkpoint):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_chunked_prefill_and_odd_block_size_equal_hf(shape, reference):
+def test_chunked_prefill_and_odd_block_size_equal_hf(shape, reference, cpu_path):
     model_dir, prompts, expected = reference(shape)
     llm = LLM(model_dir, kvcache_block_size=5, max_num_batched_tokens=37, max_num_seqs=6)
+    assert_path(llm, cpu_path)
     assert_same(generate(llm, prompts), expected, prompts)
 
 

@@ -1,0 +1,43 @@
+"""CPU paged attention in C (nanokv/kernels/cpu.c): every query token reads its keys and
+values in place through the block table, once; no page gather, no padding.
+
+A prefill token at position p is simply a query that sees the first p + 1 cached tokens
+of its sequence (its own K/V are written to the cache first), so decodes, prefill chunks
+and chunks after a cached prefix all go through one kernel call per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanokv import kernels
+from nanokv.attention.base import AttentionBackend, AttentionMetadata
+
+
+class CpuBackend(AttentionBackend):
+    name = "cpu"
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        q_lens = meta.query_lens_cpu
+        num_seqs = len(q_lens)
+        if meta.num_decodes == num_seqs:  # decodes only: query b is sequence b, sees all of it
+            rows = torch.arange(num_seqs, dtype=torch.int32)
+            ctx = meta.seq_lens.to(torch.int32)
+        else:
+            q_lens_t = torch.tensor(q_lens)
+            num_tokens = sum(q_lens)
+            rows = torch.repeat_interleave(torch.arange(num_seqs, dtype=torch.int32), q_lens_t,
+                                           output_size=num_tokens)
+            first = (meta.seq_lens.long() - q_lens_t)[rows]  # position of each sequence's first new token
+            offset = torch.arange(num_tokens) - meta.query_start_loc[:-1].long()[rows]
+            ctx = (first + offset + 1).to(torch.int32)
+        meta.backend_state = (rows, ctx.contiguous(), meta.block_tables.contiguous())
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        rows, ctx, tables = meta.backend_state
+        out = torch.empty_like(q)  # [T, Hq, D]
+        kernels.paged_attention(q.contiguous(), k_cache, v_cache, tables, rows, ctx, meta.max_seq_len, scale, out)
+        return out

@@ -1,0 +1,167 @@
+"""CPU kernels in C (cpu.c), compiled at first use and called through ctypes.
+
+Why C: on a few CPU cores the decode step is dominated by two things torch does poorly at
+small batch sizes: GEMMs with a handful of rows (the BLAS repacks the weights on every
+call) and paged attention (a page gather copies the KV cache before SDPA reads it again).
+cpu.c does both directly: GEMMs on weights packed once at load time, and decode attention
+that reads each page in place through the block table.
+
+The shared library is built with the machine's C compiler (`cc -O3 -march=native
+-fopenmp`) into a cache directory keyed by the source, the compiler and the CPU, the way
+Triton caches its kernels; it links the libgomp torch already loaded, so both share one
+OpenMP thread pool. Without a compiler, or with NANOKV_CPU_KERNELS=0, `available()` is
+False and callers use their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("nanokv")
+
+NR = 16  # output columns per packed weight panel (cpu.c)
+_SOURCE = Path(__file__).with_name("cpu.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("NANOKV_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "nanokv")
+    return Path(root) / "kernels"
+
+
+def _build() -> Path:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    source = _SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
+                                     _cpu_signature().encode(), platform.machine().encode()]))
+    target = _cache_dir() / f"nanokv_cpu_{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        proc = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed to build {_SOURCE.name}:\n{proc.stderr[-2000:]}")
+        os.replace(out, target)  # atomic: concurrent builders (torchrun ranks) agree
+    logger.info("built nanokv CPU kernels: %s", target)
+    return target
+
+
+@lru_cache(maxsize=1)
+def _lib():
+    if os.environ.get("NANOKV_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except Exception as e:  # no compiler, a compile error, an unloadable library
+        logger.warning("nanokv CPU kernels unavailable, using the torch path: %s", e)
+        return None
+    p, i, f = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+    lib.nk_linear.argtypes = [p, i, i, p, i, p, p]
+    lib.nk_linear.restype = None
+    lib.nk_paged_attention.argtypes = [p, p, p, p, i, p, p, i, i, i, i, i, f, i, p]
+    lib.nk_paged_attention.restype = None
+    lib.nk_rmsnorm.argtypes = [p, p, i, i, p, f, p]
+    lib.nk_rmsnorm.restype = None
+    lib.nk_qk_norm_rope.argtypes = [p, i, i, i, i, p, p, f, p, p, p, p]
+    lib.nk_qk_norm_rope.restype = None
+    lib.nk_silu_mul.argtypes = [p, i, i, p]
+    lib.nk_silu_mul.restype = None
+    return lib
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N / NR), K, NR] panels (zero padded), the layout nk_linear reads."""
+    n, k = weight.shape
+    panels = -(-n // NR)
+    padded = torch.zeros(panels * NR, k, dtype=weight.dtype, device=weight.device)
+    padded[:n] = weight
+    return padded.view(panels, NR, k).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (float32, contiguous) @ W^T (+ bias) -> [M, n], W given as pack_weight(W)."""
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=x.dtype)
+    _lib().nk_linear(x.data_ptr(), m, k, packed.data_ptr(), n,
+                     None if bias is None else bias.data_ptr(), out.data_ptr())
+    return out
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    rows: torch.Tensor, ctx_lens: torch.Tensor, max_len: int, scale: float,
+                    out: torch.Tensor) -> None:
+    """q [T, Hq, D]: query t attends to the first ctx_lens[t] tokens of the sequence in row
+    rows[t] of block_tables (int32 [B, width]) in the paged caches [num_blocks, block_size,
+    Hkv, D] -> out [T, Hq, D]. rows and ctx_lens are int32 [T]; all contiguous float32."""
+    t, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    _lib().nk_paged_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                              block_tables.shape[1], rows.data_ptr(), ctx_lens.data_ptr(), t, hq, hkv, d, bs,
+                              scale, max_len, out.data_ptr())
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., H] (contiguous float32). With residual (same
+    shape, contiguous): residual += x in place first, and the sum is normalised."""
+    h = x.shape[-1]
+    out = torch.empty_like(x)
+    _lib().nk_rmsnorm(x.data_ptr(), _ptr(residual), x.numel() // h, h, weight.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                 q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D], k [T, Hkv, D]: optional per-head RMSNorm
+    (q_weight, k_weight [D]), then rotary with cos, sin [T, D]."""
+    t = qkv.shape[0]
+    q = torch.empty(t, num_heads, head_dim)
+    k = torch.empty(t, num_kv_heads, head_dim)
+    _lib().nk_qk_norm_rope(qkv.data_ptr(), t, num_heads, num_kv_heads, head_dim, _ptr(q_weight), _ptr(k_weight),
+                           eps, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr())
+    return q, k
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[M, 2I] (contiguous) -> silu(gate) * up [M, I]."""
+    m, two_i = gate_up.shape
+    out = torch.empty(m, two_i // 2)
+    _lib().nk_silu_mul(gate_up.data_ptr(), m, two_i // 2, out.data_ptr())
+    return out

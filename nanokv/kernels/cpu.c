@@ -1,0 +1,370 @@
+/* nanokv CPU kernels (float32): small-batch GEMM on pre-packed weights and paged decode
+ * attention that reads each KV page once, straight through the block table.
+ *
+ * Built at first use by nanokv/kernels/__init__.py with the machine's C compiler
+ * (-O3 -march=native -fopenmp) and called through ctypes on tensors' data pointers.
+ * OpenMP resolves to the libgomp torch already loaded, so both share one thread pool.
+ *
+ * Summation order is fixed per output element (sequential over K / over the context),
+ * whatever the batch size, the row's position in the batch or the thread count: a
+ * request's numbers do not depend on what it is batched with.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));  /* unaligned access */
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+#define NR 16 /* output columns per packed weight panel */
+
+static inline v8 load8(const float *p) { return *(const v8u *)p; }
+static inline void store8(float *p, v8 v) { *(v8u *)p = v; }
+static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+
+/* ---- GEMM: out[M, N] = x[M, K] @ W^T (+ bias) -----------------------------------------
+ * wp is W packed in panels of NR output columns: wp[p][k][j] = W[p * NR + j][k] (zero
+ * padded past N). One panel (K * 64 bytes) stays in L1/L2 while every row block of x
+ * streams past it; x itself stays in L2 for the small M this is used for. */
+
+#define DEFINE_GEMM_KERNEL(MR)                                                              \
+    static void gemm_##MR(const float *restrict x, long K, const float *restrict wp,       \
+                          float *restrict out, long N, int ncols, const float *restrict bias) { \
+        v8 a0[MR], a1[MR];                                                                  \
+        for (int r = 0; r < MR; r++) a0[r] = a1[r] = splat(0.0f);                           \
+        for (long k = 0; k < K; k++) {                                                      \
+            v8 w0 = load8(wp + k * NR), w1 = load8(wp + k * NR + 8);                        \
+            for (int r = 0; r < MR; r++) {                                                  \
+                v8 xb = splat(x[r * K + k]);                                                \
+                a0[r] += xb * w0;                                                           \
+                a1[r] += xb * w1;                                                           \
+            }                                                                               \
+        }                                                                                   \
+        for (int r = 0; r < MR; r++) {                                                      \
+            float tmp[NR];                                                                  \
+            store8(tmp, a0[r]);                                                             \
+            store8(tmp + 8, a1[r]);                                                         \
+            float *o = out + r * N;                                                         \
+            if (bias) {                                                                     \
+                for (int j = 0; j < ncols; j++) o[j] = tmp[j] + bias[j];                    \
+            } else {                                                                        \
+                for (int j = 0; j < ncols; j++) o[j] = tmp[j];                              \
+            }                                                                               \
+        }                                                                                   \
+    }
+
+DEFINE_GEMM_KERNEL(1)
+DEFINE_GEMM_KERNEL(2)
+DEFINE_GEMM_KERNEL(3)
+DEFINE_GEMM_KERNEL(4)
+DEFINE_GEMM_KERNEL(5)
+DEFINE_GEMM_KERNEL(6)
+
+typedef void (*gemm_fn)(const float *, long, const float *, float *, long, int, const float *);
+static const gemm_fn GEMM[7] = {0, gemm_1, gemm_2, gemm_3, gemm_4, gemm_5, gemm_6};
+
+#define MC 192 /* rows of x per pass over the weights: x's block stays in L2 */
+
+void nk_linear(const float *x, long M, long K, const float *wp, long N, const float *bias,
+               float *out) {
+    long panels = (N + NR - 1) / NR;
+#pragma omp parallel
+    for (long m0 = 0; m0 < M; m0 += MC) {
+        long m1 = m0 + MC < M ? m0 + MC : M;
+#pragma omp for schedule(static)
+        for (long p = 0; p < panels; p++) {
+            const float *w = wp + p * K * NR;
+            int ncols = (int)(N - p * NR < NR ? N - p * NR : NR);
+            const float *b = bias ? bias + p * NR : 0;
+            long m = m0;
+            for (; m + 6 <= m1; m += 6) gemm_6(x + m * K, K, w, out + m * N + p * NR, N, ncols, b);
+            if (m < m1) GEMM[m1 - m](x + m * K, K, w, out + m * N + p * NR, N, ncols, b);
+        }
+    }
+}
+
+/* ---- paged decode attention ----------------------------------------------------------- */
+
+/* exp for x <= 0 (softmax after subtracting the max): 2^n * p(f), |f| <= ln2 / 2,
+ * degree-7 Taylor polynomial (relative error ~2e-8 before rounding). */
+static inline v8 exp_neg(v8 x) {
+    const v8 lo = splat(-87.0f);
+    v8i below = x < lo; /* all ones where true: select lo there */
+    x = (v8)(((v8i)x & ~below) | ((v8i)lo & below));
+    v8 t = x * splat(1.44269504088896341f) - splat(0.5f);
+    v8i n = __builtin_convertvector(t, v8i); /* truncation: round to nearest for t < 0 */
+    v8 nf = __builtin_convertvector(n, v8);
+    v8 f = x - nf * splat(0.693145751953125f) - nf * splat(1.428606765330187045e-06f);
+    v8 p = splat(1.0f / 5040);
+    p = p * f + splat(1.0f / 720);
+    p = p * f + splat(1.0f / 120);
+    p = p * f + splat(1.0f / 24);
+    p = p * f + splat(1.0f / 6);
+    p = p * f + splat(0.5f);
+    p = p * f + splat(1.0f);
+    p = p * f + splat(1.0f);
+    v8i bits = (n + 127) << 23;
+    v8 scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline float hsum(v8 v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+static inline void prefetch_page(const float *page, long floats) {
+    for (long i = 0; i < floats; i += 16) __builtin_prefetch(page + i, 0, 3);
+}
+
+/* Scores of query heads [h0 * G, h1 * G) against the first L cached keys:
+ * s[(h - h0) * G + g][t] = scale * q[h * G + g] . k_t[h]. Pages are read whole and in
+ * order (KV heads h0..h1 of a row are adjacent); the next page is prefetched meanwhile. */
+static void scores(const float *q, long G, long D, long h0, long h1, const float *kc,
+                   const int32_t *table, long L, long bs, long row_stride, float scale, float *s) {
+    for (long t0 = 0; t0 < L; t0 += bs) {
+        const float *page = kc + (long)table[t0 / bs] * bs * row_stride;
+        long n = L - t0 < bs ? L - t0 : bs;
+        if (t0 + bs < L) prefetch_page(kc + (long)table[t0 / bs + 1] * bs * row_stride, bs * row_stride);
+        long t = 0;
+        for (; t + 4 <= n; t += 4) {
+            const float *r0 = page + t * row_stride;
+            for (long h = h0; h < h1; h++) {
+                const float *k0 = r0 + h * D, *k1 = k0 + row_stride;
+                const float *k2 = k1 + row_stride, *k3 = k2 + row_stride;
+                for (long g = 0; g < G; g++) {
+                    const float *qg = q + (h * G + g) * D;
+                    v8 a0 = splat(0), a1 = splat(0), a2 = splat(0), a3 = splat(0);
+                    for (long d = 0; d < D; d += 8) {
+                        v8 qv = load8(qg + d);
+                        a0 += qv * load8(k0 + d);
+                        a1 += qv * load8(k1 + d);
+                        a2 += qv * load8(k2 + d);
+                        a3 += qv * load8(k3 + d);
+                    }
+                    float *sg = s + ((h - h0) * G + g) * L + t0 + t;
+                    sg[0] = hsum(a0) * scale;
+                    sg[1] = hsum(a1) * scale;
+                    sg[2] = hsum(a2) * scale;
+                    sg[3] = hsum(a3) * scale;
+                }
+            }
+        }
+        for (; t < n; t++) {
+            for (long h = h0; h < h1; h++) {
+                const float *k0 = page + t * row_stride + h * D;
+                for (long g = 0; g < G; g++) {
+                    v8 a0 = splat(0);
+                    for (long d = 0; d < D; d += 8) a0 += load8(q + (h * G + g) * D + d) * load8(k0 + d);
+                    s[((h - h0) * G + g) * L + t0 + t] = hsum(a0) * scale;
+                }
+            }
+        }
+    }
+}
+
+/* acc[(h - h0) * G + g] = sum_t p[(h - h0) * G + g][t] v_t[h]; a page (in L1 after its
+ * first pass) is read once from memory, the next one prefetched meanwhile. */
+static void weighted_values(const float *s, long G, long D, long h0, long h1, const float *vc,
+                            const int32_t *table, long L, long bs, long row_stride, float *acc) {
+    long rows = (h1 - h0) * G;
+    memset(acc, 0, sizeof(float) * rows * D);
+    for (long t0 = 0; t0 < L; t0 += bs) {
+        const float *page = vc + (long)table[t0 / bs] * bs * row_stride;
+        long n = L - t0 < bs ? L - t0 : bs;
+        if (t0 + bs < L) prefetch_page(vc + (long)table[t0 / bs + 1] * bs * row_stride, bs * row_stride);
+        for (long r = 0; r < rows; r++) {
+            const float *sg = s + r * L + t0;
+            const float *vh = page + (h0 + r / G) * D;
+            float *ag = acc + r * D;
+            for (long d0 = 0; d0 < D; d0 += 32) { /* up to 4 accumulators in registers over the page */
+                long w = D - d0 < 32 ? D - d0 : 32;
+                v8 a0 = load8(ag + d0), a1 = w > 8 ? load8(ag + d0 + 8) : splat(0);
+                v8 a2 = w > 16 ? load8(ag + d0 + 16) : splat(0), a3 = w > 24 ? load8(ag + d0 + 24) : splat(0);
+                for (long j = 0; j < n; j++) {
+                    const float *vr = vh + j * row_stride + d0;
+                    v8 p = splat(sg[j]);
+                    a0 += p * load8(vr);
+                    if (w > 8) a1 += p * load8(vr + 8);
+                    if (w > 16) a2 += p * load8(vr + 16);
+                    if (w > 24) a3 += p * load8(vr + 24);
+                }
+                store8(ag + d0, a0);
+                if (w > 8) store8(ag + d0 + 8, a1);
+                if (w > 16) store8(ag + d0 + 16, a2);
+                if (w > 24) store8(ag + d0 + 24, a3);
+            }
+        }
+    }
+}
+
+/* softmax of s[0, L) in place; returns 1 / sum */
+static float softmax_row(float *s, long L) {
+    float mx = -INFINITY;
+    for (long t = 0; t < L; t++) mx = s[t] > mx ? s[t] : mx;
+    v8 acc = splat(0);
+    long t = 0;
+    for (; t + 8 <= L; t += 8) {
+        v8 e = exp_neg(load8(s + t) - splat(mx));
+        store8(s + t, e);
+        acc += e;
+    }
+    float sum = hsum(acc);
+    for (; t < L; t++) {
+        s[t] = expf(s[t] - mx);
+        sum += s[t];
+    }
+    return 1.0f / sum;
+}
+
+/* Paged attention, one query token per row: query t (q [T, Hq, D]) belongs to the
+ * sequence in row rows[t] of tables [B, width] and sees that sequence's first ctx[t]
+ * cached tokens (a decode: the whole context; a prefill token at position p: p + 1, which
+ * is causal masking). Caches [num_blocks, bs, Hkv, D]; out [T, Hq, D]. Each query reads
+ * its keys and values once, in place. D must be a multiple of 8, Hq a multiple of Hkv. */
+void nk_paged_attention(const float *q, const float *kc, const float *vc, const int32_t *tables,
+                        long width, const int32_t *rows, const int32_t *ctx, long T, long Hq,
+                        long Hkv, long D, long bs, float scale, long max_len, float *out) {
+    long G = Hq / Hkv, row_stride = Hkv * D;
+    /* one work item is a query with all its heads (whole pages read in order); with too
+     * few queries to keep every thread busy, its KV heads are split across items */
+    long split = T >= 4 * omp_get_max_threads() ? 1 : Hkv;
+#pragma omp parallel
+    {
+        float *s = malloc(sizeof(float) * Hq * (max_len > 0 ? max_len : 1));
+#pragma omp for schedule(dynamic, 1)
+        for (long item = 0; item < T * split; item++) {
+            long t = item / split, part = item % split, L = ctx[t];
+            long h0 = part * Hkv / split, h1 = (part + 1) * Hkv / split;
+            const int32_t *table = tables + (long)rows[t] * width;
+            float *ot = out + (t * Hq + h0 * G) * D;
+            if (L <= 0) {
+                memset(ot, 0, sizeof(float) * (h1 - h0) * G * D);
+                continue;
+            }
+            scores(q + t * Hq * D, G, D, h0, h1, kc, table, L, bs, row_stride, scale, s);
+            for (long r = 0; r < (h1 - h0) * G; r++) {
+                float inv = softmax_row(s + r * L, L);
+                for (long j = 0; j < L; j++) s[r * L + j] *= inv;
+            }
+            weighted_values(s, G, D, h0, h1, vc, table, L, bs, row_stride, ot);
+        }
+        free(s);
+    }
+}
+
+/* ---- elementwise: RMSNorm (+ residual add), q/k norm + rotary, SiLU * up ---------------
+ * Written to round like the torch expressions they replace, operation for operation, so
+ * multiply-add contraction is off here; only reduction orders differ. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+/* one row: out = w * (x * rsqrt(mean(x^2) + eps)) */
+static inline void rmsnorm_row(const float *x, long H, const float *w, float eps, float *out) {
+    v8 acc = splat(0);
+    long i = 0;
+    for (; i + 8 <= H; i += 8) {
+        v8 v = load8(x + i);
+        acc += v * v;
+    }
+    float ss = hsum(acc);
+    for (; i < H; i++) ss += x[i] * x[i];
+    float r = 1.0f / sqrtf(ss / (float)H + eps);
+    i = 0;
+    for (; i + 8 <= H; i += 8) store8(out + i, load8(w + i) * (load8(x + i) * splat(r)));
+    for (; i < H; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* residual == NULL: out = RMSNorm(x). Otherwise residual += x (in place), then
+ * out = RMSNorm(residual). x, residual, out: [M, H]. */
+void nk_rmsnorm(const float *x, float *residual, long M, long H, const float *w, float eps, float *out) {
+#pragma omp parallel for schedule(static) if (M * H >= 32768)
+    for (long m = 0; m < M; m++) {
+        const float *xr = x + m * H;
+        if (residual) {
+            float *rr = residual + m * H;
+            long i = 0;
+            for (; i + 8 <= H; i += 8) store8(rr + i, load8(xr + i) + load8(rr + i));
+            for (; i < H; i++) rr[i] = xr[i] + rr[i];
+            xr = rr;
+        }
+        rmsnorm_row(xr, H, w, eps, out + m * H);
+    }
+}
+
+/* x [D] -> out [D]: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) */
+static inline void rope_row(const float *x, const float *c, const float *s, long D, float *out) {
+    long half = D / 2;
+    for (long i = 0; i < half; i++) out[i] = x[i] * c[i] + (-x[i + half]) * s[i];
+    for (long i = half; i < D; i++) out[i] = x[i] * c[i] + x[i - half] * s[i];
+}
+
+/* qkv [T, (Hq + 2 Hkv) D] rows -> q [T, Hq, D], k [T, Hkv, D]: per-head RMSNorm when
+ * qw / kw are given (Qwen3), then rotary with this token's cos, sin [T, D]. */
+void nk_qk_norm_rope(const float *qkv, long T, long Hq, long Hkv, long D, const float *qw,
+                     const float *kw, float eps, const float *cos, const float *sin, float *q,
+                     float *k) {
+    long width = (Hq + 2 * Hkv) * D;
+#pragma omp parallel for schedule(static) if (T * (Hq + Hkv) * D >= 32768)
+    for (long t = 0; t < T; t++) {
+        float tmp[D];
+        const float *c = cos + t * D, *s = sin + t * D;
+        for (long h = 0; h < Hq + Hkv; h++) {
+            const float *x = qkv + t * width + h * D;
+            const float *w = h < Hq ? qw : kw;
+            float *o = h < Hq ? q + (t * Hq + h) * D : k + (t * Hkv + h - Hq) * D;
+            if (w) {
+                rmsnorm_row(x, D, w, eps, tmp);
+                x = tmp;
+            }
+            rope_row(x, c, s, D, o);
+        }
+    }
+}
+
+/* exp for any x (clamped to [-87, 88]): 2^n * p(f), n = round(x / ln2) */
+static inline v8 exp_any(v8 x) {
+    const v8 lo = splat(-87.0f), hi = splat(88.0f);
+    v8i below = x < lo, above = x > hi;
+    x = (v8)(((v8i)x & ~below) | ((v8i)lo & below));
+    x = (v8)(((v8i)x & ~above) | ((v8i)hi & above));
+    v8 t = x * splat(1.44269504088896341f);
+    v8i neg = t < splat(0.0f);
+    v8 half = (v8)(((v8i)splat(0.5f) & ~neg) | ((v8i)splat(-0.5f) & neg));
+    v8i n = __builtin_convertvector(t + half, v8i); /* round half away from zero */
+    v8 nf = __builtin_convertvector(n, v8);
+    v8 f = x - nf * splat(0.693145751953125f) - nf * splat(1.428606765330187045e-06f);
+    v8 p = splat(1.0f / 5040);
+    p = p * f + splat(1.0f / 720);
+    p = p * f + splat(1.0f / 120);
+    p = p * f + splat(1.0f / 24);
+    p = p * f + splat(1.0f / 6);
+    p = p * f + splat(0.5f);
+    p = p * f + splat(1.0f);
+    p = p * f + splat(1.0f);
+    v8i e = n + 127; /* n in [-126, 127] after the clamp */
+    v8i bits = e << 23;
+    v8 scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* gate_up [M, 2 I] -> out [M, I] = silu(gate) * up, silu(g) = g / (1 + exp(-g)) */
+void nk_silu_mul(const float *gu, long M, long I, float *out) {
+#pragma omp parallel for schedule(static) if (M * I >= 32768)
+    for (long m = 0; m < M; m++) {
+        const float *g = gu + m * 2 * I, *u = g + I;
+        float *o = out + m * I;
+        long i = 0;
+        for (; i + 8 <= I; i += 8) {
+            v8 gv = load8(g + i);
+            store8(o + i, gv / (splat(1.0f) + exp_any(-gv)) * load8(u + i));
+        }
+        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+#pragma GCC pop_options

@@ -1,0 +1,183 @@
+"""The C kernels (nanokv/kernels/cpu.c) against the torch expressions they replace."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanokv import kernels
+from nanokv.attention.base import AttentionMetadata
+from nanokv.attention.cpu_backend import CpuBackend
+from nanokv.attention.torch_ref import TorchRefBackend
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: CPU kernels not built")
+
+
+def _rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 64, 193, 400])
+@pytest.mark.parametrize("k,n", [(384, 1024), (40, 1000), (1152, 384), (24, 17)])
+def test_linear_matches_torch(m, k, n):
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    packed = kernels.pack_weight(w)
+    assert packed.shape == (-(-n // kernels.NR), k, kernels.NR)
+    torch.testing.assert_close(kernels.linear(x, packed, n), x @ w.t(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernels.linear(x, packed, n, b), torch.addmm(b, x, w.t()), rtol=1e-5, atol=1e-4)
+
+
+def test_linear_rows_do_not_depend_on_the_batch():
+    """A row's result is bit-identical alone or in any batch (fixed summation order)."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(37, 200, generator=g), torch.randn(300, 200, generator=g)
+    packed = kernels.pack_weight(w)
+    full = kernels.linear(x, packed, 300)
+    for i in (0, 5, 36):
+        assert torch.equal(kernels.linear(x[i:i + 1].contiguous(), packed, 300)[0], full[i])
+    assert torch.equal(kernels.linear(x[10:23].contiguous(), packed, 300), full[10:23])
+
+
+def _meta(q_lens, ctx_lens, block_size, num_blocks, gen):
+    """A mixed step (decodes first) over random, distinct pages."""
+    widths = [-(-c // block_size) for c in ctx_lens]
+    pages = torch.randperm(num_blocks, generator=gen)[:sum(widths)].tolist()
+    tables, at = [], 0
+    for w in widths:
+        tables.append(pages[at:at + w] + [0] * (max(widths) - w))
+        at += w
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    slots = []
+    for table, n, c in zip(tables, q_lens, ctx_lens):
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(c - n, c)]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(cu, dtype=torch.int32),
+        seq_lens=torch.tensor(ctx_lens, dtype=torch.int32), block_tables=torch.tensor(tables, dtype=torch.int32),
+        num_decodes=sum(1 for n in q_lens if n == 1), max_query_len=max(q_lens), max_seq_len=max(ctx_lens),
+        query_lens_cpu=list(q_lens), seq_lens_cpu=list(ctx_lens))
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(8, 4, 64), (4, 1, 32), (6, 6, 16), (16, 2, 128), (2, 2, 8)])
+@pytest.mark.parametrize("block_size", [16, 5, 1])
+def test_paged_attention_matches_torch_reference(hq, hkv, d, block_size):
+    """Decodes, whole prompts and chunks after a cached prefix in one step, against the
+    pure-torch backend (gather + SDPA) on the same paged cache."""
+    gen = torch.Generator().manual_seed(hq * 100 + d + block_size)
+    q_lens = [1, 1, 1, 1, 7, 33, 1 + 4, 20]  # decodes first, then prefill chunks
+    ctx_lens = [1, 9, 40, 77, 7, 33, 60, 20 + 17]  # a chunk of 5 after 55 cached tokens, ...
+    num_blocks = sum(-(-c // block_size) for c in ctx_lens) + 7
+    meta = _meta(q_lens, ctx_lens, block_size, num_blocks, gen)
+    t = sum(q_lens)
+    q, k, v = (torch.randn(t, h, d, generator=gen) for h in (hq, hkv, hkv))
+    caches = [torch.randn(num_blocks, block_size, hkv, d, generator=gen) for _ in range(2)]
+    outs = []
+    for backend in (TorchRefBackend(), CpuBackend()):
+        kc, vc = (c.clone() for c in caches)
+        meta.backend_state = None
+        backend.prepare(meta, block_size)
+        outs.append((backend.forward(q, k, v, kc, vc, meta, d ** -0.5), kc, vc))
+    (ref, kr, vr), (got, kg, vg) = outs
+    assert torch.equal(kr, kg) and torch.equal(vr, vg)  # new K/V written to the same slots
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-6)
+
+
+def test_paged_attention_few_queries_split_heads():
+    """One long decode (heads split across threads) equals plain softmax attention."""
+    gen = torch.Generator().manual_seed(1)
+    bs, L, hq, hkv, d = 16, 1000, 8, 2, 64
+    kc, vc = (torch.randn(80, bs, hkv, d, generator=gen) for _ in range(2))
+    table = torch.randperm(80, generator=gen)[:-(-L // bs)].to(torch.int32)[None]
+    q = torch.randn(1, hq, d, generator=gen)
+    out = torch.empty_like(q)
+    kernels.paged_attention(q, kc, vc, table, torch.zeros(1, dtype=torch.int32),
+                            torch.tensor([L], dtype=torch.int32), L, d ** -0.5, out)
+    keys = kc[table[0].long()].reshape(-1, hkv, d)[:L].repeat_interleave(hq // hkv, 1)  # [L, Hq, D]
+    vals = vc[table[0].long()].reshape(-1, hkv, d)[:L].repeat_interleave(hq // hkv, 1)
+    p = torch.softmax(torch.einsum("hd,lhd->hl", q[0], keys) * d ** -0.5, -1)
+    torch.testing.assert_close(out[0], torch.einsum("hl,lhd->hd", p, vals), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("m,h", [(1, 384), (37, 384), (5000, 100), (3, 13)])
+def test_rmsnorm_and_fused_residual(m, h):
+    gen = torch.Generator().manual_seed(m + h)
+    x, r, w = torch.randn(m, h, generator=gen), torch.randn(m, h, generator=gen), torch.randn(h, generator=gen)
+    torch.testing.assert_close(kernels.rmsnorm(x, w, 1e-6), _rms(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+    residual = r.clone()
+    out = kernels.rmsnorm(x, w, 1e-6, residual)
+    assert torch.equal(residual, x + r)  # the same additions as HF's residual + x
+    torch.testing.assert_close(out, _rms(x + r, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_qk_norm_rope(with_norm):
+    gen = torch.Generator().manual_seed(2)
+    t, hq, hkv, d = 29, 8, 2, 64
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen)
+    qw, kw = (torch.randn(d, generator=gen) for _ in range(2))
+    cos, sin = torch.randn(t, d, generator=gen), torch.randn(t, d, generator=gen)
+    q, k = kernels.qk_norm_rope(qkv, hq, hkv, d, qw if with_norm else None, kw if with_norm else None,
+                                1e-6, cos, sin)
+    qr, kr = qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    if with_norm:
+        qr, kr = _rms(qr, qw, 1e-6), _rms(kr, kw, 1e-6)
+
+    def rope(x):
+        x1, x2 = x.chunk(2, -1)
+        return x * cos[:, None] + torch.cat((-x2, x1), -1) * sin[:, None]
+
+    if with_norm:
+        torch.testing.assert_close(q, rope(qr), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k, rope(kr), rtol=1e-5, atol=1e-5)
+    else:  # rotary alone rounds exactly like the torch expression
+        assert torch.equal(q, rope(qr)) and torch.equal(k, rope(kr))
+
+
+@pytest.mark.parametrize("m,i", [(3, 1152), (300, 64), (7, 13)])
+def test_silu_mul(m, i):
+    gen = torch.Generator().manual_seed(m)
+    gu = torch.randn(m, 2 * i, generator=gen) * 6
+    gu[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -90.0])  # exp's clamps
+    ref = F.silu(gu[:, :i]) * gu[:, i:]
+    torch.testing.assert_close(kernels.silu_mul(gu), ref, rtol=2e-6, atol=1e-7)
+
+
+def test_without_a_compiler_everything_falls_back_to_torch(tmp_path):
+    """No compiler on PATH: available() is False, auto picks the torch backend, and the
+    model runs (and still matches) on the torch path."""
+    code = (
+        "import torch\n"
+        "from nanokv import kernels\n"
+        "from nanokv.attention import resolve_backend\n"
+        "assert not kernels.available()\n"
+        "print(resolve_backend('auto', torch.device('cpu'), 16))\n"
+    )
+    env = dict(os.environ, CC="/nonexistent/cc", NANOKV_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "torch"
+    assert "CPU kernels unavailable" in out.stderr
+
+
+def test_disabled_by_environment(tmp_path):
+    code = "from nanokv import kernels\nprint(kernels.available())\n"
+    env = dict(os.environ, NANOKV_CPU_KERNELS="0", NANOKV_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+    assert not any(tmp_path.rglob("*.so"))
+
+
+def test_built_once_into_the_cache(tmp_path):
+    code = "from nanokv import kernels\nprint(kernels.available())\n"
+    env = dict(os.environ, NANOKV_CACHE_DIR=str(tmp_path))
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == "True", out.stderr
+    assert len(list(tmp_path.rglob("*.so"))) == 1
