@@ -110,10 +110,13 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, NR, k).transpose(1, 2).contiguous()
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (float32, contiguous) @ W^T (+ bias) -> [M, n], W given as pack_weight(W)."""
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (float32, contiguous) @ W^T (+ bias) -> [M, n] (into out, contiguous, when
+    given), W given as pack_weight(W)."""
     m, k = x.shape
-    out = torch.empty(m, n, dtype=x.dtype)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype)
     _lib().nk_linear(x.data_ptr(), m, k, packed.data_ptr(), n,
                      None if bias is None else bias.data_ptr(), out.data_ptr())
     return out

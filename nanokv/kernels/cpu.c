@@ -67,7 +67,9 @@ DEFINE_GEMM_KERNEL(6)
 typedef void (*gemm_fn)(const float *, long, const float *, float *, long, int, const float *);
 static const gemm_fn GEMM[7] = {0, gemm_1, gemm_2, gemm_3, gemm_4, gemm_5, gemm_6};
 
-#define MC 192 /* rows of x per pass over the weights: x's block stays in L2 */
+#ifndef MC
+#define MC 192 /* rows of x per pass over the weights: the block of x stays in L2 */
+#endif
 
 void nk_linear(const float *x, long M, long K, const float *wp, long N, const float *bias,
                float *out) {
