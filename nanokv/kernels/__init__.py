@@ -88,12 +88,12 @@ def _lib():
     lib.nk_linear.restype = None
     lib.nk_paged_attention.argtypes = [p, p, p, p, i, p, p, i, i, i, i, i, f, i, p]
     lib.nk_paged_attention.restype = None
+    lib.nk_linear_silu_mul.argtypes = [p, i, i, p, i, p, p]
+    lib.nk_linear_silu_mul.restype = None
     lib.nk_rmsnorm.argtypes = [p, p, i, i, p, f, p]
     lib.nk_rmsnorm.restype = None
     lib.nk_qk_norm_rope.argtypes = [p, i, i, i, i, p, p, f, p, p, p, p]
     lib.nk_qk_norm_rope.restype = None
-    lib.nk_silu_mul.argtypes = [p, i, i, p]
-    lib.nk_silu_mul.restype = None
     return lib
 
 
@@ -108,6 +108,28 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros(panels * NR, k, dtype=weight.dtype, device=weight.device)
     padded[:n] = weight
     return padded.view(panels, NR, k).transpose(1, 2).contiguous()
+
+
+def pack_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [I, K] -> [ceil(I / 8), K, 16]: panel p holds gate rows 8p.. in lanes 0-7
+    and up rows 8p.. in lanes 8-15 (zero padded), the layout nk_linear_silu_mul reads. A
+    bias [I] each packs the same way as a [*, 1] weight: pack_gate_up(g[:, None], u[:, None])."""
+    i, k = gate.shape
+    panels = -(-i // 8)
+    both = torch.zeros(2, panels * 8, k, dtype=gate.dtype, device=gate.device)
+    both[0, :i], both[1, :i] = gate, up
+    return both.view(2, panels, 8, k).permute(1, 3, 0, 2).reshape(panels, k, 2 * 8).contiguous()
+
+
+def linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, i: int, bias: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x Wg^T + bg) * (x Wu^T + bu) -> [M, i] for x [M, K]; packed = pack_gate_up(Wg, Wu),
+    bias = pack_gate_up(bg[:, None], bu[:, None])."""
+    m, k = x.shape
+    if out is None:
+        out = torch.empty(m, i, dtype=x.dtype)
+    _lib().nk_linear_silu_mul(x.data_ptr(), m, k, packed.data_ptr(), i, _ptr(bias), out.data_ptr())
+    return out
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
@@ -160,11 +182,3 @@ def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim:
     _lib().nk_qk_norm_rope(qkv.data_ptr(), t, num_heads, num_kv_heads, head_dim, _ptr(q_weight), _ptr(k_weight),
                            eps, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr())
     return q, k
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[M, 2I] (contiguous) -> silu(gate) * up [M, I]."""
-    m, two_i = gate_up.shape
-    out = torch.empty(m, two_i // 2)
-    _lib().nk_silu_mul(gate_up.data_ptr(), m, two_i // 2, out.data_ptr())
-    return out

@@ -26,6 +26,33 @@ static inline v8 load8(const float *p) { return *(const v8u *)p; }
 static inline void store8(float *p, v8 v) { *(v8u *)p = v; }
 static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 
+/* exp for any x (clamped to [-87, 88]): 2^n * p(f), n = round(x / ln2) */
+static inline v8 exp_any(v8 x) {
+    const v8 lo = splat(-87.0f), hi = splat(88.0f);
+    v8i below = x < lo, above = x > hi;
+    x = (v8)(((v8i)x & ~below) | ((v8i)lo & below));
+    x = (v8)(((v8i)x & ~above) | ((v8i)hi & above));
+    v8 t = x * splat(1.44269504088896341f);
+    v8i neg = t < splat(0.0f);
+    v8 half = (v8)(((v8i)splat(0.5f) & ~neg) | ((v8i)splat(-0.5f) & neg));
+    v8i n = __builtin_convertvector(t + half, v8i); /* round half away from zero */
+    v8 nf = __builtin_convertvector(n, v8);
+    v8 f = x - nf * splat(0.693145751953125f) - nf * splat(1.428606765330187045e-06f);
+    v8 p = splat(1.0f / 5040);
+    p = p * f + splat(1.0f / 720);
+    p = p * f + splat(1.0f / 120);
+    p = p * f + splat(1.0f / 24);
+    p = p * f + splat(1.0f / 6);
+    p = p * f + splat(0.5f);
+    p = p * f + splat(1.0f);
+    p = p * f + splat(1.0f);
+    v8i e = n + 127; /* n in [-126, 127] after the clamp */
+    v8i bits = e << 23;
+    v8 scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
 /* ---- GEMM: out[M, N] = x[M, K] @ W^T (+ bias) -----------------------------------------
  * wp is W packed in panels of NR output columns: wp[p][k][j] = W[p * NR + j][k] (zero
  * padded past N). One panel (K * 64 bytes) stays in L1/L2 while every row block of x
@@ -85,6 +112,65 @@ void nk_linear(const float *x, long M, long K, const float *wp, long N, const fl
             long m = m0;
             for (; m + 6 <= m1; m += 6) gemm_6(x + m * K, K, w, out + m * N + p * NR, N, ncols, b);
             if (m < m1) GEMM[m1 - m](x + m * K, K, w, out + m * N + p * NR, N, ncols, b);
+        }
+    }
+}
+
+/* Gate/up GEMM with SiLU(gate) * up in the epilogue: out[M, I]. wp interleaves the two
+ * projections: panel p holds gate rows 8p..8p+7 in lanes 0-7 and up rows 8p..8p+7 in
+ * lanes 8-15 (bias, if any, packed the same way: [panels][16]), so one tile computes both
+ * halves and the [M, 2I] intermediate is never written. */
+#define DEFINE_GLU_KERNEL(MR)                                                               \
+    static void glu_##MR(const float *restrict x, long K, const float *restrict wp,        \
+                         float *restrict out, long I, int ncols, const float *restrict bias) { \
+        v8 a0[MR], a1[MR];                                                                  \
+        for (int r = 0; r < MR; r++) a0[r] = a1[r] = splat(0.0f);                           \
+        for (long k = 0; k < K; k++) {                                                      \
+            v8 w0 = load8(wp + k * NR), w1 = load8(wp + k * NR + 8);                        \
+            for (int r = 0; r < MR; r++) {                                                  \
+                v8 xb = splat(x[r * K + k]);                                                \
+                a0[r] += xb * w0;                                                           \
+                a1[r] += xb * w1;                                                           \
+            }                                                                               \
+        }                                                                                   \
+        for (int r = 0; r < MR; r++) {                                                      \
+            v8 g = a0[r], u = a1[r];                                                        \
+            if (bias) {                                                                     \
+                g += load8(bias);                                                           \
+                u += load8(bias + 8);                                                       \
+            }                                                                               \
+            v8 o = g / (splat(1.0f) + exp_any(-g)) * u;                                     \
+            if (ncols == 8) {                                                               \
+                store8(out + r * I, o);                                                     \
+            } else {                                                                        \
+                for (int j = 0; j < ncols; j++) out[r * I + j] = o[j];                      \
+            }                                                                               \
+        }                                                                                   \
+    }
+
+DEFINE_GLU_KERNEL(1)
+DEFINE_GLU_KERNEL(2)
+DEFINE_GLU_KERNEL(3)
+DEFINE_GLU_KERNEL(4)
+DEFINE_GLU_KERNEL(5)
+DEFINE_GLU_KERNEL(6)
+
+static const gemm_fn GLU[7] = {0, glu_1, glu_2, glu_3, glu_4, glu_5, glu_6};
+
+void nk_linear_silu_mul(const float *x, long M, long K, const float *wp, long I, const float *bias,
+                        float *out) {
+    long panels = (I + 7) / 8;
+#pragma omp parallel
+    for (long m0 = 0; m0 < M; m0 += MC) {
+        long m1 = m0 + MC < M ? m0 + MC : M;
+#pragma omp for schedule(static)
+        for (long p = 0; p < panels; p++) {
+            const float *w = wp + p * K * NR;
+            int ncols = (int)(I - p * 8 < 8 ? I - p * 8 : 8);
+            const float *b = bias ? bias + p * NR : 0;
+            long m = m0;
+            for (; m + 6 <= m1; m += 6) glu_6(x + m * K, K, w, out + m * I + p * 8, I, ncols, b);
+            if (m < m1) GLU[m1 - m](x + m * K, K, w, out + m * I + p * 8, I, ncols, b);
         }
     }
 }
@@ -259,7 +345,7 @@ void nk_paged_attention(const float *q, const float *kc, const float *vc, const 
     }
 }
 
-/* ---- elementwise: RMSNorm (+ residual add), q/k norm + rotary, SiLU * up ---------------
+/* ---- elementwise: RMSNorm (+ residual add), q/k norm + rotary ---------------------------
  * Written to round like the torch expressions they replace, operation for operation, so
  * multiply-add contraction is off here; only reduction orders differ. */
 #pragma GCC push_options
@@ -328,45 +414,4 @@ void nk_qk_norm_rope(const float *qkv, long T, long Hq, long Hkv, long D, const 
     }
 }
 
-/* exp for any x (clamped to [-87, 88]): 2^n * p(f), n = round(x / ln2) */
-static inline v8 exp_any(v8 x) {
-    const v8 lo = splat(-87.0f), hi = splat(88.0f);
-    v8i below = x < lo, above = x > hi;
-    x = (v8)(((v8i)x & ~below) | ((v8i)lo & below));
-    x = (v8)(((v8i)x & ~above) | ((v8i)hi & above));
-    v8 t = x * splat(1.44269504088896341f);
-    v8i neg = t < splat(0.0f);
-    v8 half = (v8)(((v8i)splat(0.5f) & ~neg) | ((v8i)splat(-0.5f) & neg));
-    v8i n = __builtin_convertvector(t + half, v8i); /* round half away from zero */
-    v8 nf = __builtin_convertvector(n, v8);
-    v8 f = x - nf * splat(0.693145751953125f) - nf * splat(1.428606765330187045e-06f);
-    v8 p = splat(1.0f / 5040);
-    p = p * f + splat(1.0f / 720);
-    p = p * f + splat(1.0f / 120);
-    p = p * f + splat(1.0f / 24);
-    p = p * f + splat(1.0f / 6);
-    p = p * f + splat(0.5f);
-    p = p * f + splat(1.0f);
-    p = p * f + splat(1.0f);
-    v8i e = n + 127; /* n in [-126, 127] after the clamp */
-    v8i bits = e << 23;
-    v8 scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
-/* gate_up [M, 2 I] -> out [M, I] = silu(gate) * up, silu(g) = g / (1 + exp(-g)) */
-void nk_silu_mul(const float *gu, long M, long I, float *out) {
-#pragma omp parallel for schedule(static) if (M * I >= 32768)
-    for (long m = 0; m < M; m++) {
-        const float *g = gu + m * 2 * I, *u = g + I;
-        float *o = out + m * I;
-        long i = 0;
-        for (; i + 8 <= I; i += 8) {
-            v8 gv = load8(g + i);
-            store8(o + i, gv / (splat(1.0f) + exp_any(-gv)) * load8(u + i));
-        }
-        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
-}
 #pragma GCC pop_options

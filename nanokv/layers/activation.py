@@ -1,4 +1,5 @@
-"""Gated activations over a fused [gate | up] projection."""
+"""Gated activations over a fused [gate | up] projection (the torch path; with the CPU
+kernels the activation runs inside the gate/up GEMM, see GateUpLinear)."""
 
 from __future__ import annotations
 
@@ -6,17 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanokv import kernels
-
 
 class SiluAndMul(nn.Module):
-    cpu_kernels = False
-
-    def use_cpu_kernels(self) -> None:
-        self.cpu_kernels = True
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
-        if self.cpu_kernels:
-            return kernels.silu_mul(x.contiguous())
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -101,6 +101,31 @@ class PackedLinear(Linear):
         param.data.narrow(0, offset, size).copy_(loaded[start:start + size])
 
 
+class GateUpLinear(PackedLinear):
+    """The fused [gate | up] projection of a gated MLP. With the CPU kernels, silu_and_mul()
+    applies SiLU(gate) * up inside the GEMM (gate and up rows packed side by side), so the
+    [T, 2I] intermediate is never materialised."""
+
+    def __init__(self, in_features: int, intermediate_per_rank: tuple[int, int, int], bias: bool = False):
+        super().__init__(in_features, {"gate_proj": intermediate_per_rank, "up_proj": intermediate_per_rank}, bias)
+
+    def use_cpu_kernels(self) -> None:
+        i = self.output_sizes[0]
+        w = self.weight.data
+        self.packed = kernels.pack_gate_up(w[:i], w[i:])
+        if self.bias is not None:
+            b = self.bias.data
+            self.packed_bias = kernels.pack_gate_up(b[:i, None], b[i:, None])
+        self.out_features = i
+        self.weight = None
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, I]
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        out = self.output_buffer.get(flat.shape[0], self.out_features) if self.output_buffer else None
+        bias = self.packed_bias if self.bias is not None else None
+        return kernels.linear_silu_mul(flat, self.packed, self.out_features, bias, out)
+
+
 class RowParallelLinear(_Matmul):
     """y = all_reduce(x_shard W_shard^T) (+ b): this rank holds a slice of the input
     columns; the partial products are summed across ranks."""

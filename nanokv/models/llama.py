@@ -15,7 +15,7 @@ from nanokv.distributed import TP
 from nanokv.layers.activation import SiluAndMul
 from nanokv.layers.attention import Attention
 from nanokv.layers.embedding import LMHead, VocabParallelEmbedding
-from nanokv.layers.linear import PackedLinear, RowParallelLinear
+from nanokv.layers.linear import GateUpLinear, PackedLinear, RowParallelLinear
 from nanokv.layers.norm import RMSNorm
 from nanokv.layers.rotary import RotaryEmbedding
 
@@ -67,13 +67,13 @@ class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, tp: TP, bias: bool):
         super().__init__()
         start, per_rank = tp.split(intermediate)
-        self.gate_up_proj = PackedLinear(hidden, {
-            "gate_proj": (intermediate, start, per_rank), "up_proj": (intermediate, start, per_rank),
-        }, bias=bias)
+        self.gate_up_proj = GateUpLinear(hidden, (intermediate, start, per_rank), bias=bias)
         self.down_proj = RowParallelLinear(intermediate, hidden, tp, bias=bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj.packed is not None:  # CPU kernels: the activation runs in the GEMM
+            return self.down_proj(self.gate_up_proj.silu_and_mul(x))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 

@@ -140,13 +140,25 @@ def test_qk_norm_rope(with_norm):
         assert torch.equal(q, rope(qr)) and torch.equal(k, rope(kr))
 
 
-@pytest.mark.parametrize("m,i", [(3, 1152), (300, 64), (7, 13)])
-def test_silu_mul(m, i):
-    gen = torch.Generator().manual_seed(m)
-    gu = torch.randn(m, 2 * i, generator=gen) * 6
-    gu[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -90.0])  # exp's clamps
-    ref = F.silu(gu[:, :i]) * gu[:, i:]
-    torch.testing.assert_close(kernels.silu_mul(gu), ref, rtol=2e-6, atol=1e-7)
+@pytest.mark.parametrize("m,k,i", [(3, 384, 1152), (300, 64, 64), (7, 40, 13), (1, 8, 1)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gate_up_gemm_with_silu_epilogue(m, k, i, with_bias):
+    gen = torch.Generator().manual_seed(m * 7 + i)
+    x = torch.randn(m, k, generator=gen) / k ** 0.5
+    x[0] *= 300  # gates far past exp's clamps, both signs
+    gate, up = torch.randn(i, k, generator=gen), torch.randn(i, k, generator=gen)
+    bg, bu = torch.randn(i, generator=gen), torch.randn(i, generator=gen)
+    g, u = x @ gate.t(), x @ up.t()
+    if with_bias:
+        g, u = g + bg, u + bu
+    ref = F.silu(g) * u
+    bias = kernels.pack_gate_up(bg[:, None], bu[:, None]) if with_bias else None
+    got = kernels.linear_silu_mul(x, kernels.pack_gate_up(gate, up), i, bias)
+    torch.testing.assert_close(got[1:], ref[1:], rtol=1e-5, atol=1e-5)
+    # row 0 sums terms in the hundreds: compare relative to its scale
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-5 * float(ref[0].abs().max()) + 1e-30)
+    assert (got[0][g[0] < -100].abs() < 1e-30).all() and (g[0] < -100).any()
+    assert torch.isfinite(got).all()
 
 
 def test_without_a_compiler_everything_falls_back_to_torch(tmp_path):
