@@ -101,13 +101,43 @@ def available() -> bool:
     return _lib() is not None
 
 
+_HUGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+@lru_cache(maxsize=1)
+def _madvise():
+    if platform.system() != "Linux":
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise
+
+
+def huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """Ask Linux for transparent huge pages under a large, not yet touched CPU tensor
+    (returns t). Paged attention reads KV pages scattered over the pool and the GEMMs
+    stream every weight each step: with 4 KiB pages both miss the TLB all the time."""
+    madvise = _madvise()
+    if madvise is None or t.device.type != "cpu" or t.numel() * t.element_size() < 2 * _HUGE:
+        return t
+    addr, size = t.data_ptr(), t.numel() * t.element_size()
+    start, end = -(-addr // _HUGE) * _HUGE, (addr + size) // _HUGE * _HUGE
+    madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: failure changes nothing
+    return t
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [ceil(N / NR), K, NR] panels (zero padded), the layout nk_linear reads."""
     n, k = weight.shape
     panels = -(-n // NR)
     padded = torch.zeros(panels * NR, k, dtype=weight.dtype, device=weight.device)
     padded[:n] = weight
-    return padded.view(panels, NR, k).transpose(1, 2).contiguous()
+    out = huge_pages(torch.empty(panels, k, NR, dtype=weight.dtype, device=weight.device))
+    return out.copy_(padded.view(panels, NR, k).transpose(1, 2))
 
 
 def pack_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -118,7 +148,8 @@ def pack_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     panels = -(-i // 8)
     both = torch.zeros(2, panels * 8, k, dtype=gate.dtype, device=gate.device)
     both[0, :i], both[1, :i] = gate, up
-    return both.view(2, panels, 8, k).permute(1, 3, 0, 2).reshape(panels, k, 2 * 8).contiguous()
+    out = huge_pages(torch.empty(panels, k, 2 * 8, dtype=gate.dtype, device=gate.device))
+    return out.copy_(both.view(2, panels, 8, k).permute(1, 3, 0, 2).reshape(panels, k, 2 * 8))
 
 
 def linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, i: int, bias: torch.Tensor | None = None,

@@ -205,8 +205,20 @@ static inline float hsum(v8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
+#ifndef PREFETCH_PAGES
+#define PREFETCH_PAGES 1
+#endif
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 1
+#endif
+
 static inline void prefetch_page(const float *page, long floats) {
+#if PREFETCH_PAGES
     for (long i = 0; i < floats; i += 16) __builtin_prefetch(page + i, 0, 3);
+#else
+    (void)page;
+    (void)floats;
+#endif
 }
 
 /* Scores of query heads [h0 * G, h1 * G) against the first L cached keys:
@@ -217,7 +229,7 @@ static void scores(const float *q, long G, long D, long h0, long h1, const float
     for (long t0 = 0; t0 < L; t0 += bs) {
         const float *page = kc + (long)table[t0 / bs] * bs * row_stride;
         long n = L - t0 < bs ? L - t0 : bs;
-        if (t0 + bs < L) prefetch_page(kc + (long)table[t0 / bs + 1] * bs * row_stride, bs * row_stride);
+        if (t0 + PREFETCH_AHEAD * bs < L) prefetch_page(kc + (long)table[t0 / bs + PREFETCH_AHEAD] * bs * row_stride, bs * row_stride);
         long t = 0;
         for (; t + 4 <= n; t += 4) {
             const float *r0 = page + t * row_stride;
@@ -264,7 +276,7 @@ static void weighted_values(const float *s, long G, long D, long h0, long h1, co
     for (long t0 = 0; t0 < L; t0 += bs) {
         const float *page = vc + (long)table[t0 / bs] * bs * row_stride;
         long n = L - t0 < bs ? L - t0 : bs;
-        if (t0 + bs < L) prefetch_page(vc + (long)table[t0 / bs + 1] * bs * row_stride, bs * row_stride);
+        if (t0 + PREFETCH_AHEAD * bs < L) prefetch_page(vc + (long)table[t0 / bs + PREFETCH_AHEAD] * bs * row_stride, bs * row_stride);
         for (long r = 0; r < rows; r++) {
             const float *sg = s + r * L + t0;
             const float *vh = page + (h0 + r / G) * D;

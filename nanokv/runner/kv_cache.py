@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from nanokv import kernels
+
 from nanokv.config import EngineConfig
 
 logger = logging.getLogger("nanokv")
@@ -70,8 +72,9 @@ def allocate_kv_cache(config: EngineConfig, num_blocks: int, num_layers: int, nu
     """One tensor [layers, 2 (K, V), num_blocks, block_size, Hkv, D]; layers take views.
 
     Zeroed: masked-out keys of a gathered page must hold finite values (0 * NaN is NaN)."""
-    cache = torch.zeros(num_layers, 2, num_blocks, config.block_size, num_kv_heads, head_dim,
+    cache = torch.empty(num_layers, 2, num_blocks, config.block_size, num_kv_heads, head_dim,
                         dtype=config.dtype, device=config.device)
+    kernels.huge_pages(cache).zero_()  # advised before the first touch
     if log:
         gib = cache.numel() * cache.element_size() / (1 << 30)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB", num_blocks,
