@@ -297,7 +297,7 @@ def main() -> None:
     p.add_argument("--engines", default="nanokv,hf,hf-cb,vllm",
                    help="comma-separated subset of nanokv, hf, hf-cb, vllm")
     p.add_argument("--hf-batch-sizes", default="",
-                   help="batch sizes to try for HF generate (default: 8,16,32 on CPU; 32,64,128 on GPU)")
+                   help="batch sizes to try for HF generate (default: 8,16,32,64 on CPU; 32,64,128 on GPU)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
@@ -314,7 +314,7 @@ def main() -> None:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     reqs = make_workload(args.workload, min(hf_config.vocab_size, 32000), args.seed)
     engines = set(args.engines.split(","))
-    sizes = [int(x) for x in args.hf_batch_sizes.split(",") if x] or ([8, 16, 32] if device.type == "cpu" else [32, 64, 128])
+    sizes = [int(x) for x in args.hf_batch_sizes.split(",") if x] or ([8, 16, 32, 64] if device.type == "cpu" else [32, 64, 128])
 
     results: list[Result] = []
     if "nanokv" in engines:

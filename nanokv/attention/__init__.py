@@ -23,14 +23,15 @@ def _importable(module: str) -> bool:
 def _cpu_kernels_fit(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     from nanokv import kernels
 
-    return device.type == "cpu" and dtype == torch.float32 and head_dim % 8 == 0 and kernels.available()
+    return (device.type == "cpu" and dtype == torch.float32 and head_dim % 8 == 0 and head_dim <= 512
+            and kernels.available())
 
 
 def resolve_backend(name: str, device: torch.device, block_size: int,
                     dtype: torch.dtype = torch.float32, head_dim: int = 64) -> str:
     """The backend to use. "auto": flash_attn if importable on CUDA (and the block size
     suits it), else triton on CUDA; on the CPU the C kernels (float32, head_dim a multiple
-    of 8, a C compiler at hand), else torch. ValueError for a choice that cannot work."""
+    of 8 up to 512, a C compiler at hand), else torch. ValueError for a choice that cannot work."""
     if name == "auto":
         if device.type == "cuda":
             if _importable("flash_attn") and block_size % 256 == 0:
@@ -44,7 +45,7 @@ def resolve_backend(name: str, device: torch.device, block_size: int,
         raise ValueError(f"unknown attention_backend {name!r}; choose 'auto' or one of {', '.join(BACKENDS)}")
     if name == "cpu" and not _cpu_kernels_fit(device, dtype, head_dim):
         raise ValueError("attention_backend='cpu' needs device='cpu', dtype float32, a head_dim that is a "
-                         "multiple of 8 and a C compiler (cc/gcc on PATH; NANOKV_CPU_KERNELS unset); "
+                         "multiple of 8 (at most 512) and a C compiler (cc/gcc on PATH; NANOKV_CPU_KERNELS unset); "
                          "use attention_backend='torch' otherwise")
     if name == "triton":
         if not _importable("triton"):

@@ -321,26 +321,163 @@ static float softmax_row(float *s, long L) {
     return 1.0f / sum;
 }
 
+/* ---- prefill tiles: consecutive queries of one sequence, as small GEMMs ---------------
+ * A tile holds n consecutive prompt tokens of one sequence (positions p0..p0+n-1, so
+ * context lengths c0..c0+n-1) and one KV head: its R = n * G query rows share every key
+ * and value read. S = Q K^T runs on a transposed chunk of 8 keys (a broadcast of q[r][d]
+ * against 8 keys per FMA, 4 rows at a time), O = P V on value rows (4 rows x 16 dims of
+ * accumulators): GEMM-shaped inner loops instead of one dot product per (query, key). */
+#define TILE_ROWS 32 /* query rows (queries x heads of the group) per tile */
+#define RB 4         /* query rows per register block */
+
+static const float ZERO_ROW[512] = {0}; /* stands in for missing rows of a block; D <= 512 */
+
+static void tile_scores(const float *const *qr, long R, long D, const float *kc, long h,
+                        const int32_t *table, long L, long bs, long row_stride, float scale,
+                        float *s, float *kt) {
+    for (long j0 = 0; j0 < L; j0 += 16) { /* keys j0..j0+15, across page boundaries */
+        long nk = L - j0 < 16 ? L - j0 : 16;
+        for (long j = 0; j < 16; j++) { /* kt[d][j] = k_{j0 + j}[d], zero past nk */
+            if (j < nk) {
+                long t = j0 + j;
+                const float *k = kc + ((long)table[t / bs] * bs + t % bs) * row_stride + h * D;
+                for (long d = 0; d < D; d++) kt[d * 16 + j] = k[d];
+            } else {
+                for (long d = 0; d < D; d++) kt[d * 16 + j] = 0.0f;
+            }
+        }
+        for (long r0 = 0; r0 < R; r0 += RB) {
+            const float *q0 = qr[r0], *q1 = r0 + 1 < R ? qr[r0 + 1] : ZERO_ROW;
+            const float *q2 = r0 + 2 < R ? qr[r0 + 2] : ZERO_ROW, *q3 = r0 + 3 < R ? qr[r0 + 3] : ZERO_ROW;
+            v8 a00 = splat(0), a01 = splat(0), a10 = splat(0), a11 = splat(0);
+            v8 a20 = splat(0), a21 = splat(0), a30 = splat(0), a31 = splat(0);
+            for (long d = 0; d < D; d++) {
+                v8 k0 = load8(kt + d * 16), k1 = load8(kt + d * 16 + 8);
+                v8 b0 = splat(q0[d]), b1 = splat(q1[d]), b2 = splat(q2[d]), b3 = splat(q3[d]);
+                a00 += b0 * k0; a01 += b0 * k1;
+                a10 += b1 * k0; a11 += b1 * k1;
+                a20 += b2 * k0; a21 += b2 * k1;
+                a30 += b3 * k0; a31 += b3 * k1;
+            }
+            v8 lo[RB] = {a00, a10, a20, a30}, hi[RB] = {a01, a11, a21, a31};
+            for (long rr = 0; rr < RB && r0 + rr < R; rr++) {
+                float *sr = s + (r0 + rr) * L + j0;
+                for (long j = 0; j < nk; j++) sr[j] = (j < 8 ? lo[rr][j] : hi[rr][j - 8]) * scale;
+            }
+        }
+    }
+}
+
+static void tile_values(const float *s, long R, long D, const float *vc, long h, const int32_t *table,
+                        long L, long bs, long row_stride, float *const *orow) {
+    for (long r0 = 0; r0 < R; r0 += RB) {
+        long nr = R - r0 < RB ? R - r0 : RB;
+        const float *p0 = s + r0 * L, *p1 = nr > 1 ? p0 + L : p0;
+        const float *p2 = nr > 2 ? p0 + 2 * L : p0, *p3 = nr > 3 ? p0 + 3 * L : p0;
+        for (long d0 = 0; d0 < D; d0 += 16) {
+            int wide = D - d0 >= 16;
+            v8 a00 = splat(0), a01 = splat(0), a10 = splat(0), a11 = splat(0);
+            v8 a20 = splat(0), a21 = splat(0), a30 = splat(0), a31 = splat(0);
+            for (long t0 = 0; t0 < L; t0 += bs) {
+                const float *page = vc + (long)table[t0 / bs] * bs * row_stride + h * D + d0;
+                long n = L - t0 < bs ? L - t0 : bs;
+                for (long j = 0; j < n; j++) {
+                    const float *vr = page + j * row_stride;
+                    v8 w0 = load8(vr), w1 = wide ? load8(vr + 8) : splat(0);
+                    v8 b0 = splat(p0[t0 + j]), b1 = splat(p1[t0 + j]);
+                    v8 b2 = splat(p2[t0 + j]), b3 = splat(p3[t0 + j]);
+                    a00 += b0 * w0; a01 += b0 * w1;
+                    a10 += b1 * w0; a11 += b1 * w1;
+                    a20 += b2 * w0; a21 += b2 * w1;
+                    a30 += b3 * w0; a31 += b3 * w1;
+                }
+            }
+            v8 lo[RB] = {a00, a10, a20, a30}, hi[RB] = {a01, a11, a21, a31};
+            for (long rr = 0; rr < nr; rr++) {
+                store8(orow[r0 + rr] + d0, lo[rr]);
+                if (wide) store8(orow[r0 + rr] + d0 + 8, hi[rr]);
+            }
+        }
+    }
+}
+
+/* one prefill tile (queries t0..t0+n-1, contexts c0..c0+n-1) against KV head h */
+static void attend_tile(const float *q, const float *kc, const float *vc, const int32_t *table, long t0,
+                        long n, long c0, long h, long Hq, long G, long D, long bs, long row_stride,
+                        float scale, float *out, float *s, float *kt) {
+    const float *qr[TILE_ROWS];
+    float *orow[TILE_ROWS];
+    long R = n * G, L = c0 + n - 1;
+    for (long i = 0; i < n; i++)
+        for (long g = 0; g < G; g++) {
+            qr[i * G + g] = q + ((t0 + i) * Hq + h * G + g) * D;
+            orow[i * G + g] = out + ((t0 + i) * Hq + h * G + g) * D;
+        }
+    tile_scores(qr, R, D, kc, h, table, L, bs, row_stride, scale, s, kt);
+    for (long r = 0; r < R; r++) { /* query r / G sees c0 + r / G keys (causal) */
+        long Lr = c0 + r / G;
+        float inv = softmax_row(s + r * L, Lr);
+        for (long j = 0; j < Lr; j++) s[r * L + j] *= inv;
+        for (long j = Lr; j < L; j++) s[r * L + j] = 0.0f;
+    }
+    tile_values(s, R, D, vc, h, table, L, bs, row_stride, orow);
+}
+
 /* Paged attention, one query token per row: query t (q [T, Hq, D]) belongs to the
  * sequence in row rows[t] of tables [B, width] and sees that sequence's first ctx[t]
  * cached tokens (a decode: the whole context; a prefill token at position p: p + 1, which
- * is causal masking). Caches [num_blocks, bs, Hkv, D]; out [T, Hq, D]. Each query reads
- * its keys and values once, in place. D must be a multiple of 8, Hq a multiple of Hkv. */
+ * is causal masking). Caches [num_blocks, bs, Hkv, D]; out [T, Hq, D]. Keys and values
+ * are read in place. Runs of consecutive prompt tokens of one sequence form tiles that
+ * share their key/value reads (attend_tile); other queries (decodes) go one by one, all
+ * heads at once. D must be a multiple of 8 (and at most 512), Hq a multiple of Hkv. */
 void nk_paged_attention(const float *q, const float *kc, const float *vc, const int32_t *tables,
                         long width, const int32_t *rows, const int32_t *ctx, long T, long Hq,
                         long Hkv, long D, long bs, float scale, long max_len, float *out) {
     long G = Hq / Hkv, row_stride = Hkv * D;
-    /* one work item is a query with all its heads (whole pages read in order); with too
-     * few queries to keep every thread busy, its KV heads are split across items */
-    long split = T >= 4 * omp_get_max_threads() ? 1 : Hkv;
+    long tile_queries = TILE_ROWS / G > 0 ? TILE_ROWS / G : 1;
+    /* work items: (first query, queries, first KV head, end KV head) */
+    long *items = malloc(sizeof(long) * 4 * (T * Hkv + 1));
+    long num_items = 0, singles = 0;
+    for (long t = 0; t < T;) {
+        long n = 1;
+        while (n < tile_queries && t + n < T && rows[t + n] == rows[t] && ctx[t + n] == ctx[t] + n) n++;
+        if (n >= 4 && G <= TILE_ROWS) {
+            for (long h = 0; h < Hkv; h++) {
+                long *it = items + 4 * num_items++;
+                it[0] = t, it[1] = n, it[2] = h, it[3] = h + 1;
+            }
+        } else {
+            for (long i = 0; i < n; i++) {
+                long *it = items + 4 * num_items++;
+                it[0] = t + i, it[1] = 1, it[2] = 0, it[3] = Hkv;
+                singles++;
+            }
+        }
+        t += n;
+    }
+    if (num_items < 4 * omp_get_max_threads() && singles == num_items && Hkv > 1) {
+        /* a few long decodes: one item per (query, KV head) keeps every thread busy */
+        num_items = 0;
+        for (long t = 0; t < T; t++)
+            for (long h = 0; h < Hkv; h++) {
+                long *it = items + 4 * num_items++;
+                it[0] = t, it[1] = 1, it[2] = h, it[3] = h + 1;
+            }
+    }
 #pragma omp parallel
     {
-        float *s = malloc(sizeof(float) * Hq * (max_len > 0 ? max_len : 1));
+        long rows_max = Hq > TILE_ROWS ? Hq : TILE_ROWS;
+        float *s = malloc(sizeof(float) * rows_max * (max_len > 0 ? max_len : 1));
+        float *kt = malloc(sizeof(float) * 16 * D);
 #pragma omp for schedule(dynamic, 1)
-        for (long item = 0; item < T * split; item++) {
-            long t = item / split, part = item % split, L = ctx[t];
-            long h0 = part * Hkv / split, h1 = (part + 1) * Hkv / split;
+        for (long k = 0; k < num_items; k++) {
+            long t = items[4 * k], n = items[4 * k + 1], h0 = items[4 * k + 2], h1 = items[4 * k + 3];
+            long L = ctx[t];
             const int32_t *table = tables + (long)rows[t] * width;
+            if (n > 1) {
+                attend_tile(q, kc, vc, table, t, n, L, h0, Hq, G, D, bs, row_stride, scale, out, s, kt);
+                continue;
+            }
             float *ot = out + (t * Hq + h0 * G) * D;
             if (L <= 0) {
                 memset(ot, 0, sizeof(float) * (h1 - h0) * G * D);
@@ -354,7 +491,9 @@ void nk_paged_attention(const float *q, const float *kc, const float *vc, const 
             weighted_values(s, G, D, h0, h1, vc, table, L, bs, row_stride, ot);
         }
         free(s);
+        free(kt);
     }
+    free(items);
 }
 
 /* ---- elementwise: RMSNorm (+ residual add), q/k norm + rotary ---------------------------
