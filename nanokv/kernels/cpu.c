@@ -205,20 +205,11 @@ static inline float hsum(v8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-#ifndef PREFETCH_PAGES
-#define PREFETCH_PAGES 1
-#endif
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 1
-#endif
-
+/* Pages sit anywhere in the pool, so the hardware prefetcher cannot guess the next one:
+ * while a page is read, the next page of the table is prefetched, spread over the work
+ * on this one (a burst of a whole page of prefetches stalls on the miss buffers). */
 static inline void prefetch_page(const float *page, long floats) {
-#if PREFETCH_PAGES
     for (long i = 0; i < floats; i += 16) __builtin_prefetch(page + i, 0, 3);
-#else
-    (void)page;
-    (void)floats;
-#endif
 }
 
 /* Scores of query heads [h0 * G, h1 * G) against the first L cached keys:
@@ -229,10 +220,11 @@ static void scores(const float *q, long G, long D, long h0, long h1, const float
     for (long t0 = 0; t0 < L; t0 += bs) {
         const float *page = kc + (long)table[t0 / bs] * bs * row_stride;
         long n = L - t0 < bs ? L - t0 : bs;
-        if (t0 + PREFETCH_AHEAD * bs < L) prefetch_page(kc + (long)table[t0 / bs + PREFETCH_AHEAD] * bs * row_stride, bs * row_stride);
+        const float *next = t0 + bs < L ? kc + (long)table[t0 / bs + 1] * bs * row_stride : 0;
         long t = 0;
         for (; t + 4 <= n; t += 4) {
             const float *r0 = page + t * row_stride;
+            if (next) prefetch_page(next + t * row_stride, 4 * row_stride);
             for (long h = h0; h < h1; h++) {
                 const float *k0 = r0 + h * D, *k1 = k0 + row_stride;
                 const float *k2 = k1 + row_stride, *k3 = k2 + row_stride;
@@ -276,8 +268,13 @@ static void weighted_values(const float *s, long G, long D, long h0, long h1, co
     for (long t0 = 0; t0 < L; t0 += bs) {
         const float *page = vc + (long)table[t0 / bs] * bs * row_stride;
         long n = L - t0 < bs ? L - t0 : bs;
-        if (t0 + PREFETCH_AHEAD * bs < L) prefetch_page(vc + (long)table[t0 / bs + PREFETCH_AHEAD] * bs * row_stride, bs * row_stride);
+        const float *next = t0 + bs < L ? vc + (long)table[t0 / bs + 1] * bs * row_stride : 0;
         for (long r = 0; r < rows; r++) {
+            if (next) { /* this row's share of the next page */
+                long share = (bs * row_stride + rows - 1) / rows;
+                long from = r * share, to = from + share < bs * row_stride ? from + share : bs * row_stride;
+                if (from < to) prefetch_page(next + from, to - from);
+            }
             const float *sg = s + r * L + t0;
             const float *vh = page + (h0 + r / G) * D;
             float *ag = acc + r * D;
