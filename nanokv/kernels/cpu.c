@@ -59,11 +59,12 @@ static inline v8 exp_any(v8 x) {
  * streams past it; x itself stays in L2 for the small M this is used for. */
 
 #define DEFINE_GEMM_KERNEL(MR)                                                              \
-    static void gemm_##MR(const float *restrict x, long K, const float *restrict wp,       \
+    static void gemm_##MR(const float *restrict x, long K, const float *restrict wp, const float *pf,       \
                           float *restrict out, long N, int ncols, const float *restrict bias) { \
         v8 a0[MR], a1[MR];                                                                  \
         for (int r = 0; r < MR; r++) a0[r] = a1[r] = splat(0.0f);                           \
         for (long k = 0; k < K; k++) {                                                      \
+            if (pf) __builtin_prefetch(pf + k * NR, 0, 3); /* next panel, a line per k */   \
             v8 w0 = load8(wp + k * NR), w1 = load8(wp + k * NR + 8);                        \
             for (int r = 0; r < MR; r++) {                                                  \
                 v8 xb = splat(x[r * K + k]);                                                \
@@ -91,7 +92,7 @@ DEFINE_GEMM_KERNEL(4)
 DEFINE_GEMM_KERNEL(5)
 DEFINE_GEMM_KERNEL(6)
 
-typedef void (*gemm_fn)(const float *, long, const float *, float *, long, int, const float *);
+typedef void (*gemm_fn)(const float *, long, const float *, const float *, float *, long, int, const float *);
 static const gemm_fn GEMM[7] = {0, gemm_1, gemm_2, gemm_3, gemm_4, gemm_5, gemm_6};
 
 #ifndef MC
@@ -109,9 +110,12 @@ void nk_linear(const float *x, long M, long K, const float *wp, long N, const fl
             const float *w = wp + p * K * NR;
             int ncols = (int)(N - p * NR < NR ? N - p * NR : NR);
             const float *b = bias ? bias + p * NR : 0;
+            /* the first row block streams in the next panel (weights come from memory
+             * at decode batch sizes); the others find this one in cache */
+            const float *pf = p + 1 < panels ? w + K * NR : 0;
             long m = m0;
-            for (; m + 6 <= m1; m += 6) gemm_6(x + m * K, K, w, out + m * N + p * NR, N, ncols, b);
-            if (m < m1) GEMM[m1 - m](x + m * K, K, w, out + m * N + p * NR, N, ncols, b);
+            for (; m + 6 <= m1; m += 6, pf = 0) gemm_6(x + m * K, K, w, pf, out + m * N + p * NR, N, ncols, b);
+            if (m < m1) GEMM[m1 - m](x + m * K, K, w, pf, out + m * N + p * NR, N, ncols, b);
         }
     }
 }
@@ -121,11 +125,12 @@ void nk_linear(const float *x, long M, long K, const float *wp, long N, const fl
  * lanes 8-15 (bias, if any, packed the same way: [panels][16]), so one tile computes both
  * halves and the [M, 2I] intermediate is never written. */
 #define DEFINE_GLU_KERNEL(MR)                                                               \
-    static void glu_##MR(const float *restrict x, long K, const float *restrict wp,        \
+    static void glu_##MR(const float *restrict x, long K, const float *restrict wp, const float *pf,        \
                          float *restrict out, long I, int ncols, const float *restrict bias) { \
         v8 a0[MR], a1[MR];                                                                  \
         for (int r = 0; r < MR; r++) a0[r] = a1[r] = splat(0.0f);                           \
         for (long k = 0; k < K; k++) {                                                      \
+            if (pf) __builtin_prefetch(pf + k * NR, 0, 3); /* next panel, a line per k */   \
             v8 w0 = load8(wp + k * NR), w1 = load8(wp + k * NR + 8);                        \
             for (int r = 0; r < MR; r++) {                                                  \
                 v8 xb = splat(x[r * K + k]);                                                \
@@ -168,9 +173,10 @@ void nk_linear_silu_mul(const float *x, long M, long K, const float *wp, long I,
             const float *w = wp + p * K * NR;
             int ncols = (int)(I - p * 8 < 8 ? I - p * 8 : 8);
             const float *b = bias ? bias + p * NR : 0;
+            const float *pf = p + 1 < panels ? w + K * NR : 0;
             long m = m0;
-            for (; m + 6 <= m1; m += 6) glu_6(x + m * K, K, w, out + m * I + p * 8, I, ncols, b);
-            if (m < m1) GLU[m1 - m](x + m * K, K, w, out + m * I + p * 8, I, ncols, b);
+            for (; m + 6 <= m1; m += 6, pf = 0) glu_6(x + m * K, K, w, pf, out + m * I + p * 8, I, ncols, b);
+            if (m < m1) GLU[m1 - m](x + m * K, K, w, pf, out + m * I + p * 8, I, ncols, b);
         }
     }
 }
