@@ -140,7 +140,7 @@ def load_hf(model_dir: str, device: torch.device, dtype: torch.dtype):
 def run_hf_generate(model, reqs: list[Request], device: torch.device, batch_sizes: list[int]) -> Result:
     """Padded static batches, prompts sorted by length; the best batch size wins."""
     order = sorted(range(len(reqs)), key=lambda i: len(reqs[i].prompt))
-    best = None
+    best, tried = None, {}
     for bs in batch_sizes:
         reset_peak(device)
         sync(device)
@@ -159,9 +159,10 @@ def run_hf_generate(model, reqs: list[Request], device: torch.device, batch_size
         sync(device)
         res = Result("HF generate", sum(r.max_tokens for r in reqs), time.perf_counter() - start,
                      peak_gib(device), note=f"batch {bs} (best of {', '.join(map(str, batch_sizes))})")
+        tried[bs] = round(res.tok_per_s, 1)
         if best is None or res.seconds < best.seconds:
             best = res
-        best.extra.setdefault("tried", {})[bs] = round(res.tok_per_s, 1)
+    best.extra["tried"] = tried  # tok/s of every batch size
     return best
 
 

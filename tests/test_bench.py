@@ -1,0 +1,34 @@
+"""bench.py end to end on a tiny checkpoint: every engine gets the same requests and the
+report's ratios, token counts and roofline are filled in (timings are never asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_reports_nanokv_and_hf_side_by_side(model_dir):
+    sys.path.insert(0, ROOT)
+    try:
+        import bench
+    finally:
+        sys.path.remove(ROOT)
+    expected = sum(r.max_tokens for r in bench.make_workload("tiny", 1024))
+    out = subprocess.run([sys.executable, "bench.py", "--workload", "tiny", "--model", model_dir, "--engines",
+                          "nanokv,hf", "--hf-batch-sizes", "4,8", "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    rows = {r["engine"]: r for r in report["results"]}
+    assert rows["nanokv"]["output_tokens"] == rows["HF generate"]["output_tokens"] == expected
+    assert rows["HF generate"]["ratio_to_hf_generate"] == 1.0
+    assert rows["HF generate"]["note"].startswith(("batch 4 ", "batch 8 "))
+    assert set(rows["HF generate"]["tried"]) == {"4", "8"}  # JSON keys
+    assert rows["nanokv"]["ratio_to_hf_generate"] > 0
+    assert rows["nanokv"]["steps"] > 0 and rows["nanokv"]["kv"]["num_preemptions"] == 0
+    assert report["roofline"]["floor_seconds"] > 0 and report["roofline"]["percent"] > 0
+    assert 0 <= report["outside_forward_percent"] < 100
