@@ -8,10 +8,22 @@ and chunks after a cached prefix all go through one kernel call per layer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from nanokv import kernels
 from nanokv.attention.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class CpuAttentionState:
+    """Per query token: its sequence's row in the block tables and how many cached tokens
+    it sees (int32 [T] each); the block tables as int32 [B, width], contiguous."""
+
+    rows: torch.Tensor
+    ctx: torch.Tensor
+    tables: torch.Tensor
 
 
 class CpuBackend(AttentionBackend):
@@ -31,13 +43,14 @@ class CpuBackend(AttentionBackend):
             first = (meta.seq_lens.long() - q_lens_t)[rows]  # position of each sequence's first new token
             offset = torch.arange(num_tokens) - meta.query_start_loc[:-1].long()[rows]
             ctx = (first + offset + 1).to(torch.int32)
-        meta.backend_state = (rows, ctx.contiguous(), meta.block_tables.contiguous())
+        meta.backend_state = CpuAttentionState(rows, ctx.contiguous(), meta.block_tables.contiguous())
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-        rows, ctx, tables = meta.backend_state
+        st = meta.backend_state
         out = torch.empty_like(q)  # [T, Hq, D]
-        kernels.paged_attention(q.contiguous(), k_cache, v_cache, tables, rows, ctx, meta.max_seq_len, scale, out)
+        kernels.paged_attention(q.contiguous(), k_cache, v_cache, st.tables, st.rows, st.ctx, meta.max_seq_len,
+                                scale, out)
         return out

@@ -74,6 +74,26 @@ def _build() -> Path:
     return target
 
 
+_P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+
+
+class NkLayer(ctypes.Structure):
+    """struct nk_layer (cpu.c): one decoder layer's sizes, packed weights and KV cache."""
+
+    _fields_ = [(n, _L) for n in ("H", "Hq", "Hkv", "D", "I", "bs")] + [("eps", _F), ("scale", _F)] + [
+        (n, _P) for n in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias",
+                          "gate_up", "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")]
+
+
+class NkStep(ctypes.Structure):
+    """struct nk_step (cpu.c): one step's rotary rows, cache slots, attention metadata and
+    workspace, shared by all layers."""
+
+    _fields_ = [(n, _L) for n in ("T", "width", "max_len")] + [
+        (n, _P) for n in ("cos", "sin", "slots", "rows", "ctx", "tables",
+                          "normed", "qkv", "q", "k", "attn", "o", "act")]
+
+
 @lru_cache(maxsize=1)
 def _lib():
     if os.environ.get("NANOKV_CPU_KERNELS", "1") == "0":
@@ -90,6 +110,8 @@ def _lib():
     lib.nk_paged_attention.restype = None
     lib.nk_linear_silu_mul.argtypes = [p, i, i, p, i, p, p]
     lib.nk_linear_silu_mul.restype = None
+    lib.nk_decoder_layer.argtypes = [ctypes.POINTER(NkLayer), ctypes.POINTER(NkStep), p, p, ctypes.c_int, p]
+    lib.nk_decoder_layer.restype = None
     lib.nk_rmsnorm.argtypes = [p, p, i, i, p, f, p]
     lib.nk_rmsnorm.restype = None
     lib.nk_qk_norm_rope.argtypes = [p, i, i, i, i, p, p, f, p, p, p, p]
@@ -213,3 +235,11 @@ def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim:
     _lib().nk_qk_norm_rope(qkv.data_ptr(), t, num_heads, num_kv_heads, head_dim, _ptr(q_weight), _ptr(k_weight),
                            eps, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr())
     return q, k
+
+
+def decoder_layer(layer: NkLayer, step: NkStep, x: torch.Tensor, residual: torch.Tensor, first: bool,
+                  out: torch.Tensor) -> None:
+    """One decoder layer: x [T, H] -> out [T, H] (may be x), residual [T, H] updated in place
+    (set to x when first)."""
+    _lib().nk_decoder_layer(ctypes.byref(layer), ctypes.byref(step), x.data_ptr(), residual.data_ptr(),
+                            int(first), out.data_ptr())

@@ -569,3 +569,46 @@ void nk_qk_norm_rope(const float *qkv, long T, long Hq, long Hkv, long D, const 
 }
 
 #pragma GCC pop_options
+
+/* ---- one whole decoder layer (Llama family, one rank) in one call -----------------------
+ * The same steps as the Python layer, kernel after kernel, without going back to Python
+ * between them: per-step overhead is most of a small model's decode step otherwise. */
+struct nk_layer {
+    long H, Hq, Hkv, D, I, bs;
+    float eps, scale;
+    const float *input_norm, *post_norm, *q_norm, *k_norm; /* q/k norms may be NULL */
+    const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    float *k_cache, *v_cache; /* [num_blocks, bs, Hkv, D] */
+};
+
+struct nk_step {
+    long T, width, max_len;
+    const float *cos, *sin;                         /* [T, D] */
+    const int64_t *slots;                           /* [T] cache slot of each new token */
+    const int32_t *rows, *ctx, *tables;             /* paged attention (see nk_paged_attention) */
+    float *normed, *qkv, *q, *k, *attn, *o, *act;   /* workspace, [T, *] each */
+};
+
+/* x [T, H] -> out [T, H] (may alias x); residual [T, H] in/out: first layer: residual = x */
+void nk_decoder_layer(const struct nk_layer *l, const struct nk_step *s, const float *x, float *residual,
+                      int first, float *out) {
+    long T = s->T, H = l->H, qkv_width = (l->Hq + 2 * l->Hkv) * l->D, kv = l->Hkv * l->D;
+    if (first) {
+        memcpy(residual, x, sizeof(float) * T * H);
+        nk_rmsnorm(x, 0, T, H, l->input_norm, l->eps, s->normed);
+    } else {
+        nk_rmsnorm(x, residual, T, H, l->input_norm, l->eps, s->normed);
+    }
+    nk_linear(s->normed, T, H, l->qkv, qkv_width, l->qkv_bias, s->qkv);
+    nk_qk_norm_rope(s->qkv, T, l->Hq, l->Hkv, l->D, l->q_norm, l->k_norm, l->eps, s->cos, s->sin, s->q, s->k);
+    for (long t = 0; t < T; t++) { /* new K/V into their cache slots */
+        memcpy(l->k_cache + s->slots[t] * kv, s->k + t * kv, sizeof(float) * kv);
+        memcpy(l->v_cache + s->slots[t] * kv, s->qkv + t * qkv_width + (l->Hq + l->Hkv) * l->D, sizeof(float) * kv);
+    }
+    nk_paged_attention(s->q, l->k_cache, l->v_cache, s->tables, s->width, s->rows, s->ctx, T, l->Hq, l->Hkv,
+                       l->D, l->bs, l->scale, s->max_len, s->attn);
+    nk_linear(s->attn, T, l->Hq * l->D, l->o, H, l->o_bias, s->o);
+    nk_rmsnorm(s->o, residual, T, H, l->post_norm, l->eps, s->normed);
+    nk_linear_silu_mul(s->normed, T, H, l->gate_up, l->I, l->gate_up_bias, s->act);
+    nk_linear(s->act, T, l->I, l->down, H, l->down_bias, out);
+}

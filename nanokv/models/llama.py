@@ -18,6 +18,7 @@ from nanokv.layers.embedding import LMHead, VocabParallelEmbedding
 from nanokv.layers.linear import GateUpLinear, PackedLinear, RowParallelLinear
 from nanokv.layers.norm import RMSNorm
 from nanokv.layers.rotary import RotaryEmbedding
+from nanokv.models.cpu_fused import FusedCpuLayers
 
 
 class DecoderAttention(nn.Module):
@@ -106,10 +107,21 @@ class DecoderModel(nn.Module):
             DecoderLayer(cfg, tp, qkv_bias, o_bias, qk_norm, mlp_bias)
             for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.single_rank = tp.size == 1
+        self.fused = None  # FusedCpuLayers, once the CPU kernels are on (one rank only)
+        self._fuse = False
+
+    def use_cpu_kernels(self) -> None:
+        # built at first use: the layers pack their weights after this runs
+        self._fuse = self.single_rank
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary.lookup(positions, x.dtype)
+        if self._fuse and FusedCpuLayers.applies(meta):
+            if self.fused is None:
+                self.fused = FusedCpuLayers(self)
+            return self.norm(*self.fused.forward(x, rope, meta))[0]
         residual = None
         for layer in self.layers:
             x, residual = layer(rope, x, residual, meta)

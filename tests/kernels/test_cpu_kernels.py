@@ -193,3 +193,22 @@ def test_built_once_into_the_cache(tmp_path):
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert out.stdout.strip() == "True", out.stderr
     assert len(list(tmp_path.rglob("*.so"))) == 1
+
+
+def test_fused_layers_equal_the_layer_by_layer_kernels(model_dir):
+    """One C call per decoder layer runs the same kernels as the modules, in the same
+    order: identical tokens and logprobs, bit for bit."""
+    from nanokv import LLM, SamplingParams
+
+    prompts = [[(7 * i + j) % 1000 + 1 for j in range(n)] for i, n in enumerate([1, 9, 40, 77, 130])]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
+    results = []
+    for fused in (True, False):
+        llm = LLM(model_dir, max_model_len=256, kvcache_block_size=8, max_num_batched_tokens=64)
+        decoder = llm.llm_engine.runner.model.model
+        decoder._fuse = fused
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert (decoder.fused is not None) == fused
+        results.append([(o.outputs[0].token_ids, [{k: v.logprob for k, v in lp.items()} for lp in o.outputs[0].logprobs])
+                        for o in outs])
+    assert results[0] == results[1]

@@ -60,6 +60,7 @@ def assert_path(llm, path):
     model = llm.llm_engine.runner.model
     assert llm.llm_engine.config.attention_backend == ("cpu" if path == "cpu-kernels" else "torch")
     assert (model.lm_head.packed is not None) == (path == "cpu-kernels")
+    assert model.model._fuse == (path == "cpu-kernels")  # one C call per decoder layer
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -1,0 +1,69 @@
+"""The decoder layers of a single-rank Llama-family model on the CPU kernels, one C call
+per layer (kernels.decoder_layer): the same kernels the modules call one by one, without
+returning to Python between them. On a small model a decode step is otherwise mostly
+Python and dispatch overhead."""
+
+from __future__ import annotations
+
+import torch
+
+from nanokv import kernels
+from nanokv.attention.base import AttentionMetadata
+from nanokv.attention.cpu_backend import CpuAttentionState
+from nanokv.layers.linear import OutputBuffer
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedCpuLayers:
+    def __init__(self, model):
+        self.model = model  # DecoderModel
+        self.layers = [self._describe(layer) for layer in model.layers]
+        self.buffers: dict[str, OutputBuffer] = {}
+
+    @staticmethod
+    def _describe(layer) -> kernels.NkLayer:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, o, gu, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+        return kernels.NkLayer(
+            H=layer.input_layernorm.weight.shape[0], Hq=attn.num_heads, Hkv=attn.num_kv_heads, D=attn.head_dim,
+            I=gu.out_features, bs=0, eps=layer.input_layernorm.eps, scale=attn.attn.scale,
+            input_norm=_ptr(layer.input_layernorm.weight), post_norm=_ptr(layer.post_attention_layernorm.weight),
+            q_norm=_ptr(attn.q_norm.weight if attn.q_norm is not None else None),
+            k_norm=_ptr(attn.k_norm.weight if attn.k_norm is not None else None),
+            qkv=_ptr(qkv.packed), qkv_bias=_ptr(qkv.bias), o=_ptr(o.packed), o_bias=_ptr(o.bias),
+            gate_up=_ptr(gu.packed), gate_up_bias=_ptr(gu.packed_bias if gu.bias is not None else None),
+            down=_ptr(down.packed), down_bias=_ptr(down.bias))
+
+    def _buffer(self, name: str, rows: int, cols: int) -> torch.Tensor:
+        return self.buffers.setdefault(name, OutputBuffer()).get(rows, cols)
+
+    @staticmethod
+    def applies(meta: AttentionMetadata) -> bool:
+        return isinstance(meta.backend_state, CpuAttentionState)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embeddings x [T, H] -> (last layer's output, residual), both [T, H]."""
+        T, H = x.shape
+        first = self.model.layers[0].self_attn
+        q_dim, kv_dim = first.num_heads * first.head_dim, first.num_kv_heads * first.head_dim
+        inter = self.layers[0].I
+        st: CpuAttentionState = meta.backend_state
+        cos, sin = (r.reshape(T, -1) for r in rope)
+        step = kernels.NkStep(
+            T=T, width=st.tables.shape[1], max_len=meta.max_seq_len, cos=_ptr(cos), sin=_ptr(sin),
+            slots=_ptr(meta.slot_mapping), rows=_ptr(st.rows), ctx=_ptr(st.ctx), tables=_ptr(st.tables),
+            normed=_ptr(self._buffer("normed", T, H)), qkv=_ptr(self._buffer("qkv", T, q_dim + 2 * kv_dim)),
+            q=_ptr(self._buffer("q", T, q_dim)), k=_ptr(self._buffer("k", T, kv_dim)),
+            attn=_ptr(self._buffer("attn", T, q_dim)), o=_ptr(self._buffer("o", T, H)),
+            act=_ptr(self._buffer("act", T, inter)))
+        hidden, residual = self._buffer("hidden", T, H), self._buffer("residual", T, H)
+        for i, (desc, layer) in enumerate(zip(self.layers, self.model.layers)):
+            cache = layer.self_attn.attn
+            desc.k_cache, desc.v_cache = cache.k_cache.data_ptr(), cache.v_cache.data_ptr()
+            desc.bs = cache.k_cache.shape[1]
+            kernels.decoder_layer(desc, step, x if i == 0 else hidden, residual, i == 0, hidden)
+        return hidden, residual
