@@ -472,8 +472,11 @@ void nk_paged_attention(const float *q, const float *kc, const float *vc, const 
         long rows_max = Hq > TILE_ROWS ? Hq : TILE_ROWS;
         float *s = malloc(sizeof(float) * rows_max * (max_len > 0 ? max_len : 1));
         float *kt = malloc(sizeof(float) * 16 * D);
+        /* longest first: the runner orders sequences shortest first, and a long item
+         * left for last keeps the other threads waiting at the barrier */
 #pragma omp for schedule(dynamic, 1)
-        for (long k = 0; k < num_items; k++) {
+        for (long j = 0; j < num_items; j++) {
+            long k = num_items - 1 - j;
             long t = items[4 * k], n = items[4 * k + 1], h0 = items[4 * k + 2], h1 = items[4 * k + 3];
             long L = ctx[t];
             const int32_t *table = tables + (long)rows[t] * width;
