@@ -158,7 +158,8 @@ def run_hf_generate(model, reqs: list[Request], device: torch.device, batch_size
                            min_new_tokens=longest, do_sample=False)
         sync(device)
         res = Result("HF generate", sum(r.max_tokens for r in reqs), time.perf_counter() - start,
-                     peak_gib(device), note=f"batch {bs} (best of {', '.join(map(str, batch_sizes))})")
+                     peak_gib(device), note=f"batch {bs} (best of {', '.join(map(str, batch_sizes))})",
+                     extra=dict(batch_size=bs))
         tried[bs] = round(res.tok_per_s, 1)
         if best is None or res.seconds < best.seconds:
             best = res
@@ -257,10 +258,15 @@ def measured_copy_bandwidth(device: torch.device) -> float:
     return reps * 2 * x.numel() / (time.perf_counter() - start)
 
 
-def roofline(dims: dict, reqs: list[Request], nanokv: Result, dtype: torch.dtype, device: torch.device) -> dict:
+def machine_rate(dims: dict, dtype: torch.dtype, device: torch.device) -> float:
+    """The roofline's denominator: GEMM FLOP/s on the CPU, copy bytes/s on a GPU."""
+    return measured_gemm_rate(dims, dtype, device) if device.type == "cpu" else measured_copy_bandwidth(device)
+
+
+def roofline(dims: dict, reqs: list[Request], nanokv: Result, dtype: torch.dtype, device: torch.device,
+             rate: float) -> dict:
     if device.type == "cpu":
         flops = workload_flops(dims, reqs)
-        rate = measured_gemm_rate(dims, dtype, device)
         floor = flops / rate
         return dict(kind="FLOPs / measured GEMM rate", flops=flops, rate=rate, floor_seconds=floor,
                     percent=100 * floor / nanokv.seconds)
@@ -270,10 +276,21 @@ def roofline(dims: dict, reqs: list[Request], nanokv: Result, dtype: torch.dtype
     steps = nanokv.extra.get("steps", 0)
     kv_read = sum(kv_per_token * (len(r.prompt) + i) for r in reqs for i in range(r.max_tokens))
     total = weights * steps + kv_read
-    bw = measured_copy_bandwidth(device)
-    floor = total / bw
+    floor = total / rate
     return dict(kind="HBM bytes (weights per step + KV read) / measured copy bandwidth", bytes=total,
-                bandwidth=bw, floor_seconds=floor, percent=100 * floor / nanokv.seconds)
+                bandwidth=rate, floor_seconds=floor, percent=100 * floor / nanokv.seconds)
+
+
+def keep_faster(best: Result, again: Result) -> Result:
+    """Repeated runs of one engine: report the fastest, list them all."""
+    runs = best.extra.setdefault("runs", [round(best.seconds, 2)])
+    runs.append(round(again.seconds, 2))
+    if again.seconds < best.seconds:
+        best.seconds, best.peak_memory_gib = again.seconds, max(best.peak_memory_gib, again.peak_memory_gib)
+        for key in ("kv", "kv_summary", "steps", "forward_seconds"):
+            if key in again.extra:
+                best.extra[key] = again.extra[key]
+    return best
 
 
 # ---- main -------------------------------------------------------------------------------
@@ -303,6 +320,9 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1 if cuda else 2,
+                   help="rounds of nanokv and HF generate's best batch size, alternating; each engine "
+                        "reports its fastest (default 2 on CPU, 1 on GPU)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = p.parse_args()
 
@@ -318,28 +338,40 @@ def main() -> None:
     sizes = [int(x) for x in args.hf_batch_sizes.split(",") if x] or ([8, 16, 32, 64] if device.type == "cpu" else [32, 64, 128])
 
     results: list[Result] = []
-    roof = None
+    nano = hf = rate = model = None
     if "nanokv" in engines:
-        results.append(run_nanokv(model_dir, reqs, device, args))
+        nano = run_nanokv(model_dir, reqs, device, args)
+        results.append(nano)
         # the machine's rate is measured now, before the other engines: transformers'
         # continuous batching leaves memory and threads behind that would skew it
-        roof = roofline(dims, reqs, results[-1], dtype, device)
+        rate = machine_rate(dims, dtype, device)
     if engines & {"hf", "hf-cb"}:
         model = load_hf(model_dir, device, dtype)
         if "hf" in engines:
-            results.append(run_hf_generate(model, reqs, device, sizes))
+            hf = run_hf_generate(model, reqs, device, sizes)
+            results.append(hf)
+    # Shared machines drift over minutes: further rounds alternate nanokv and HF generate's
+    # best batch size, and each keeps its fastest run.
+    for _ in range(args.repeats - 1):
+        if nano is not None:
+            keep_faster(nano, run_nanokv(model_dir, reqs, device, args))
+        if hf is not None:
+            keep_faster(hf, run_hf_generate(model, reqs, device, [hf.extra["batch_size"]]))
+    for r in (nano, hf):
+        if r is not None and args.repeats > 1:
+            r.note = "; ".join(filter(None, [r.note, f"fastest of {args.repeats} runs"]))
+    if model is not None:
         if "hf-cb" in engines:
             try:
                 results.append(run_hf_continuous(model, reqs, device))
             except Exception as e:  # report, do not hide: HF's CB support varies by version/device
                 results.append(Result("HF continuous batching", 0, float("nan"), float("nan"),
-                                       note=f"failed: {type(e).__name__}: {e}"[:120]))
+                                      note=f"failed: {type(e).__name__}: {e}"[:120]))
         del model
     if "vllm" in engines and importlib.util.find_spec("vllm") is not None:
         results.append(run_vllm(model_dir, reqs, device))
 
     base = next((r for r in results if r.engine == "HF generate"), None)
-    nano = next((r for r in results if r.engine == "nanokv"), None)
     report = dict(workload=args.workload, num_requests=len(reqs), model=args.model or f"random {args.shape}",
                   device=torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads",
                   dtype=str(dtype).replace("torch.", ""), torch=torch.__version__, results=[])
@@ -350,7 +382,7 @@ def main() -> None:
                    peak_memory_gib=round(r.peak_memory_gib, 2), note=r.note, **r.extra)
         report["results"].append(row)
     if nano is not None:
-        report["roofline"] = roof
+        report["roofline"] = roofline(dims, reqs, nano, dtype, device, rate)
         report["outside_forward_percent"] = 100 * (1 - nano.extra["forward_seconds"] / nano.seconds)
 
     if args.json:

@@ -27,6 +27,7 @@ def test_bench_reports_nanokv_and_hf_side_by_side(model_dir):
     assert rows["nanokv"]["output_tokens"] == rows["HF generate"]["output_tokens"] == expected
     assert rows["HF generate"]["ratio_to_hf_generate"] == 1.0
     assert rows["HF generate"]["note"].startswith(("batch 4 ", "batch 8 "))
+    assert rows["nanokv"]["note"] == "fastest of 2 runs" and len(rows["nanokv"]["runs"]) == 2
     assert set(rows["HF generate"]["tried"]) == {"4", "8"}  # JSON keys
     assert rows["nanokv"]["ratio_to_hf_generate"] > 0
     assert rows["nanokv"]["steps"] > 0 and rows["nanokv"]["kv"]["num_preemptions"] == 0
