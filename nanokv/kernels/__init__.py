@@ -1,10 +1,11 @@
 """CPU kernels in C (cpu.c), compiled at first use and called through ctypes.
 
-Why C: on a few CPU cores the decode step is dominated by two things torch does poorly at
+Why C: on a few CPU cores the decode step is dominated by things torch does poorly at
 small batch sizes: GEMMs with a handful of rows (the BLAS repacks the weights on every
-call) and paged attention (a page gather copies the KV cache before SDPA reads it again).
-cpu.c does both directly: GEMMs on weights packed once at load time, and decode attention
-that reads each page in place through the block table.
+call), paged attention (a page gather copies the KV cache before SDPA reads it again) and
+per-op dispatch (dozens of small ops per layer). cpu.c does them directly: GEMMs on
+weights packed once at load time, attention that reads each page in place through the
+block table, fused norm/rotary/activation passes, and a whole decoder layer per call.
 
 The shared library is built with the machine's C compiler (`cc -O3 -march=native
 -fopenmp`) into a cache directory keyed by the source, the compiler and the CPU, the way

@@ -1,13 +1,14 @@
-/* nanokv CPU kernels (float32): small-batch GEMM on pre-packed weights and paged decode
- * attention that reads each KV page once, straight through the block table.
+/* nanokv CPU kernels (float32): GEMMs on weights packed once at load time (the gate/up
+ * one with SiLU * up in its epilogue), paged attention that reads the KV pages in place
+ * through the block tables, RMSNorm with the residual add, q/k norm with rotary, and a
+ * whole decoder layer chaining them in one call.
  *
  * Built at first use by nanokv/kernels/__init__.py with the machine's C compiler
  * (-O3 -march=native -fopenmp) and called through ctypes on tensors' data pointers.
  * OpenMP resolves to the libgomp torch already loaded, so both share one thread pool.
  *
- * Summation order is fixed per output element (sequential over K / over the context),
- * whatever the batch size, the row's position in the batch or the thread count: a
- * request's numbers do not depend on what it is batched with.
+ * A GEMM output element is summed in a fixed order (sequential over K), whatever the
+ * batch size, the row's position in the batch or the thread count.
  */
 #include <math.h>
 #include <stdint.h>
@@ -58,29 +59,55 @@ static inline v8 exp_any(v8 x) {
  * padded past N). One panel (K * 64 bytes) stays in L1/L2 while every row block of x
  * streams past it; x itself stays in L2 for the small M this is used for. */
 
-#define DEFINE_GEMM_KERNEL(MR)                                                              \
-    static void gemm_##MR(const float *restrict x, long K, const float *restrict wp, const float *pf,       \
-                          float *restrict out, long N, int ncols, const float *restrict bias) { \
-        v8 a0[MR], a1[MR];                                                                  \
-        for (int r = 0; r < MR; r++) a0[r] = a1[r] = splat(0.0f);                           \
-        for (long k = 0; k < K; k++) {                                                      \
-            if (pf) __builtin_prefetch(pf + k * NR, 0, 3); /* next panel, a line per k */   \
-            v8 w0 = load8(wp + k * NR), w1 = load8(wp + k * NR + 8);                        \
-            for (int r = 0; r < MR; r++) {                                                  \
-                v8 xb = splat(x[r * K + k]);                                                \
-                a0[r] += xb * w0;                                                           \
-                a1[r] += xb * w1;                                                           \
-            }                                                                               \
+/* a0[r], a1[r] = x[r] . (the panel's columns 0-7, 8-15), r < MR, summed over k in order;
+ * pf: the next panel, prefetched a line per k (NULL: nothing to prefetch) */
+#define ACCUMULATE(MR)                                                                      \
+    v8 a0[MR], a1[MR];                                                                      \
+    for (int r = 0; r < MR; r++) a0[r] = a1[r] = splat(0.0f);                               \
+    for (long k = 0; k < K; k++) {                                                          \
+        if (pf) __builtin_prefetch(pf + k * NR, 0, 3);                                      \
+        v8 w0 = load8(wp + k * NR), w1 = load8(wp + k * NR + 8);                            \
+        for (int r = 0; r < MR; r++) {                                                      \
+            v8 xb = splat(x[r * K + k]);                                                    \
+            a0[r] += xb * w0;                                                               \
+            a1[r] += xb * w1;                                                               \
         }                                                                                   \
+    }
+
+#define KERNEL_ARGS                                                                         \
+    const float *restrict x, long K, const float *restrict wp, const float *pf,            \
+        float *restrict out, long ldo, int ncols, const float *restrict bias
+
+/* plain GEMM tile: out[r][0, ncols) = a0|a1 (+ bias) */
+#define DEFINE_GEMM_KERNEL(MR)                                                              \
+    static void gemm_##MR(KERNEL_ARGS) {                                                    \
+        ACCUMULATE(MR)                                                                      \
         for (int r = 0; r < MR; r++) {                                                      \
             float tmp[NR];                                                                  \
             store8(tmp, a0[r]);                                                             \
             store8(tmp + 8, a1[r]);                                                         \
-            float *o = out + r * N;                                                         \
+            float *o = out + r * ldo;                                                       \
+            for (int j = 0; j < ncols; j++) o[j] = bias ? tmp[j] + bias[j] : tmp[j];        \
+        }                                                                                   \
+    }
+
+/* Gate/up tile with SiLU(gate) * up in the epilogue: lanes 0-7 of the panel are gate
+ * rows, lanes 8-15 the matching up rows (bias packed the same way), so one tile computes
+ * both halves and the [M, 2I] intermediate is never written. */
+#define DEFINE_GLU_KERNEL(MR)                                                               \
+    static void glu_##MR(KERNEL_ARGS) {                                                     \
+        ACCUMULATE(MR)                                                                      \
+        for (int r = 0; r < MR; r++) {                                                      \
+            v8 g = a0[r], u = a1[r];                                                        \
             if (bias) {                                                                     \
-                for (int j = 0; j < ncols; j++) o[j] = tmp[j] + bias[j];                    \
+                g += load8(bias);                                                           \
+                u += load8(bias + 8);                                                       \
+            }                                                                               \
+            v8 o = g / (splat(1.0f) + exp_any(-g)) * u;                                     \
+            if (ncols == 8) {                                                               \
+                store8(out + r * ldo, o);                                                   \
             } else {                                                                        \
-                for (int j = 0; j < ncols; j++) o[j] = tmp[j];                              \
+                for (int j = 0; j < ncols; j++) out[r * ldo + j] = o[j];                    \
             }                                                                               \
         }                                                                                   \
     }
@@ -91,68 +118,6 @@ DEFINE_GEMM_KERNEL(3)
 DEFINE_GEMM_KERNEL(4)
 DEFINE_GEMM_KERNEL(5)
 DEFINE_GEMM_KERNEL(6)
-
-typedef void (*gemm_fn)(const float *, long, const float *, const float *, float *, long, int, const float *);
-static const gemm_fn GEMM[7] = {0, gemm_1, gemm_2, gemm_3, gemm_4, gemm_5, gemm_6};
-
-#ifndef MC
-#define MC 192 /* rows of x per pass over the weights: the block of x stays in L2 */
-#endif
-
-void nk_linear(const float *x, long M, long K, const float *wp, long N, const float *bias,
-               float *out) {
-    long panels = (N + NR - 1) / NR;
-#pragma omp parallel
-    for (long m0 = 0; m0 < M; m0 += MC) {
-        long m1 = m0 + MC < M ? m0 + MC : M;
-#pragma omp for schedule(static)
-        for (long p = 0; p < panels; p++) {
-            const float *w = wp + p * K * NR;
-            int ncols = (int)(N - p * NR < NR ? N - p * NR : NR);
-            const float *b = bias ? bias + p * NR : 0;
-            /* the first row block streams in the next panel (weights come from memory
-             * at decode batch sizes); the others find this one in cache */
-            const float *pf = p + 1 < panels ? w + K * NR : 0;
-            long m = m0;
-            for (; m + 6 <= m1; m += 6, pf = 0) gemm_6(x + m * K, K, w, pf, out + m * N + p * NR, N, ncols, b);
-            if (m < m1) GEMM[m1 - m](x + m * K, K, w, pf, out + m * N + p * NR, N, ncols, b);
-        }
-    }
-}
-
-/* Gate/up GEMM with SiLU(gate) * up in the epilogue: out[M, I]. wp interleaves the two
- * projections: panel p holds gate rows 8p..8p+7 in lanes 0-7 and up rows 8p..8p+7 in
- * lanes 8-15 (bias, if any, packed the same way: [panels][16]), so one tile computes both
- * halves and the [M, 2I] intermediate is never written. */
-#define DEFINE_GLU_KERNEL(MR)                                                               \
-    static void glu_##MR(const float *restrict x, long K, const float *restrict wp, const float *pf,        \
-                         float *restrict out, long I, int ncols, const float *restrict bias) { \
-        v8 a0[MR], a1[MR];                                                                  \
-        for (int r = 0; r < MR; r++) a0[r] = a1[r] = splat(0.0f);                           \
-        for (long k = 0; k < K; k++) {                                                      \
-            if (pf) __builtin_prefetch(pf + k * NR, 0, 3); /* next panel, a line per k */   \
-            v8 w0 = load8(wp + k * NR), w1 = load8(wp + k * NR + 8);                        \
-            for (int r = 0; r < MR; r++) {                                                  \
-                v8 xb = splat(x[r * K + k]);                                                \
-                a0[r] += xb * w0;                                                           \
-                a1[r] += xb * w1;                                                           \
-            }                                                                               \
-        }                                                                                   \
-        for (int r = 0; r < MR; r++) {                                                      \
-            v8 g = a0[r], u = a1[r];                                                        \
-            if (bias) {                                                                     \
-                g += load8(bias);                                                           \
-                u += load8(bias + 8);                                                       \
-            }                                                                               \
-            v8 o = g / (splat(1.0f) + exp_any(-g)) * u;                                     \
-            if (ncols == 8) {                                                               \
-                store8(out + r * I, o);                                                     \
-            } else {                                                                        \
-                for (int j = 0; j < ncols; j++) out[r * I + j] = o[j];                      \
-            }                                                                               \
-        }                                                                                   \
-    }
-
 DEFINE_GLU_KERNEL(1)
 DEFINE_GLU_KERNEL(2)
 DEFINE_GLU_KERNEL(3)
@@ -160,52 +125,47 @@ DEFINE_GLU_KERNEL(4)
 DEFINE_GLU_KERNEL(5)
 DEFINE_GLU_KERNEL(6)
 
-static const gemm_fn GLU[7] = {0, glu_1, glu_2, glu_3, glu_4, glu_5, glu_6};
+typedef void (*tile_fn)(KERNEL_ARGS);
+static const tile_fn GEMM[7] = {0, gemm_1, gemm_2, gemm_3, gemm_4, gemm_5, gemm_6};
+static const tile_fn GLU[7] = {0, glu_1, glu_2, glu_3, glu_4, glu_5, glu_6};
 
-void nk_linear_silu_mul(const float *x, long M, long K, const float *wp, long I, const float *bias,
-                        float *out) {
-    long panels = (I + 7) / 8;
+#define MC 192 /* rows of x per pass over the weights: the block of x stays in L2 */
+
+/* Every packed panel against every row of x: panel p writes output columns
+ * [p * cols, p * cols + cols) of out [M, n] (cols = 16 for a GEMM, 8 for gate/up) and
+ * reads bias + p * NR. Panels are split across threads; the first row block of a panel
+ * streams in the next panel (weights come from memory at decode batch sizes), the
+ * others find this one in cache. */
+static void run_panels(const tile_fn *fn, const float *x, long M, long K, const float *wp, long n, long cols,
+                       const float *bias, float *out) {
+    long panels = (n + cols - 1) / cols;
 #pragma omp parallel
     for (long m0 = 0; m0 < M; m0 += MC) {
         long m1 = m0 + MC < M ? m0 + MC : M;
 #pragma omp for schedule(static)
         for (long p = 0; p < panels; p++) {
             const float *w = wp + p * K * NR;
-            int ncols = (int)(I - p * 8 < 8 ? I - p * 8 : 8);
+            int ncols = (int)(n - p * cols < cols ? n - p * cols : cols);
             const float *b = bias ? bias + p * NR : 0;
             const float *pf = p + 1 < panels ? w + K * NR : 0;
             long m = m0;
-            for (; m + 6 <= m1; m += 6, pf = 0) glu_6(x + m * K, K, w, pf, out + m * I + p * 8, I, ncols, b);
-            if (m < m1) GLU[m1 - m](x + m * K, K, w, pf, out + m * I + p * 8, I, ncols, b);
+            for (; m + 6 <= m1; m += 6, pf = 0) fn[6](x + m * K, K, w, pf, out + m * n + p * cols, n, ncols, b);
+            if (m < m1) fn[m1 - m](x + m * K, K, w, pf, out + m * n + p * cols, n, ncols, b);
         }
     }
 }
 
-/* ---- paged decode attention ----------------------------------------------------------- */
-
-/* exp for x <= 0 (softmax after subtracting the max): 2^n * p(f), |f| <= ln2 / 2,
- * degree-7 Taylor polynomial (relative error ~2e-8 before rounding). */
-static inline v8 exp_neg(v8 x) {
-    const v8 lo = splat(-87.0f);
-    v8i below = x < lo; /* all ones where true: select lo there */
-    x = (v8)(((v8i)x & ~below) | ((v8i)lo & below));
-    v8 t = x * splat(1.44269504088896341f) - splat(0.5f);
-    v8i n = __builtin_convertvector(t, v8i); /* truncation: round to nearest for t < 0 */
-    v8 nf = __builtin_convertvector(n, v8);
-    v8 f = x - nf * splat(0.693145751953125f) - nf * splat(1.428606765330187045e-06f);
-    v8 p = splat(1.0f / 5040);
-    p = p * f + splat(1.0f / 720);
-    p = p * f + splat(1.0f / 120);
-    p = p * f + splat(1.0f / 24);
-    p = p * f + splat(1.0f / 6);
-    p = p * f + splat(0.5f);
-    p = p * f + splat(1.0f);
-    p = p * f + splat(1.0f);
-    v8i bits = (n + 127) << 23;
-    v8 scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+/* out[M, N] = x[M, K] @ W^T (+ bias [N]) */
+void nk_linear(const float *x, long M, long K, const float *wp, long N, const float *bias, float *out) {
+    run_panels(GEMM, x, M, K, wp, N, NR, bias, out);
 }
+
+/* out[M, I] = silu(x Wg^T + bg) * (x Wu^T + bu); wp, bias from pack_gate_up */
+void nk_linear_silu_mul(const float *x, long M, long K, const float *wp, long I, const float *bias, float *out) {
+    run_panels(GLU, x, M, K, wp, I, 8, bias, out);
+}
+
+/* ---- paged decode attention ----------------------------------------------------------- */
 
 static inline float hsum(v8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
@@ -312,7 +272,7 @@ static float softmax_row(float *s, long L) {
     v8 acc = splat(0);
     long t = 0;
     for (; t + 8 <= L; t += 8) {
-        v8 e = exp_neg(load8(s + t) - splat(mx));
+        v8 e = exp_any(load8(s + t) - splat(mx));
         store8(s + t, e);
         acc += e;
     }
