@@ -120,6 +120,11 @@ def _lib():
     return lib
 
 
+def ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's data pointer for a C argument; None (NULL) for no tensor."""
+    return None if t is None else t.data_ptr()
+
+
 def available() -> bool:
     return _lib() is not None
 
@@ -182,7 +187,7 @@ def linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, i: int, bias: torch.T
     m, k = x.shape
     if out is None:
         out = torch.empty(m, i, dtype=x.dtype)
-    _lib().nk_linear_silu_mul(x.data_ptr(), m, k, packed.data_ptr(), i, _ptr(bias), out.data_ptr())
+    _lib().nk_linear_silu_mul(x.data_ptr(), m, k, packed.data_ptr(), i, ptr(bias), out.data_ptr())
     return out
 
 
@@ -211,17 +216,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                               scale, max_len, out.data_ptr())
 
 
-def _ptr(t: torch.Tensor | None):
-    return None if t is None else t.data_ptr()
-
-
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm over the last dim of x [..., H] (contiguous float32). With residual (same
     shape, contiguous): residual += x in place first, and the sum is normalised."""
     h = x.shape[-1]
     out = torch.empty_like(x)
-    _lib().nk_rmsnorm(x.data_ptr(), _ptr(residual), x.numel() // h, h, weight.data_ptr(), eps, out.data_ptr())
+    _lib().nk_rmsnorm(x.data_ptr(), ptr(residual), x.numel() // h, h, weight.data_ptr(), eps, out.data_ptr())
     return out
 
 
@@ -233,7 +234,7 @@ def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim:
     t = qkv.shape[0]
     q = torch.empty(t, num_heads, head_dim)
     k = torch.empty(t, num_kv_heads, head_dim)
-    _lib().nk_qk_norm_rope(qkv.data_ptr(), t, num_heads, num_kv_heads, head_dim, _ptr(q_weight), _ptr(k_weight),
+    _lib().nk_qk_norm_rope(qkv.data_ptr(), t, num_heads, num_kv_heads, head_dim, ptr(q_weight), ptr(k_weight),
                            eps, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr())
     return q, k
 

@@ -59,9 +59,14 @@ class _Matmul(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, bias)
+        flat, out = self._kernel_io(x)
+        return kernels.linear(flat, self.packed, self.out_features, bias, out).view(*x.shape[:-1], -1)
+
+    def _kernel_io(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x as contiguous [M, K], and where the kernel writes its [M, out_features]."""
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         out = self.output_buffer.get(flat.shape[0], self.out_features) if self.output_buffer else None
-        return kernels.linear(flat, self.packed, self.out_features, bias, out).view(*x.shape[:-1], -1)
+        return flat, out
 
 
 class Linear(_Matmul):
@@ -120,8 +125,7 @@ class GateUpLinear(PackedLinear):
         self.weight = None
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, I]
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
-        out = self.output_buffer.get(flat.shape[0], self.out_features) if self.output_buffer else None
+        flat, out = self._kernel_io(x)
         bias = self.packed_bias if self.bias is not None else None
         return kernels.linear_silu_mul(flat, self.packed, self.out_features, bias, out)
 

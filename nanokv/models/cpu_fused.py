@@ -8,13 +8,10 @@ from __future__ import annotations
 import torch
 
 from nanokv import kernels
+from nanokv.kernels import ptr
 from nanokv.attention.base import AttentionMetadata
 from nanokv.attention.cpu_backend import CpuAttentionState
 from nanokv.layers.linear import OutputBuffer
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 class FusedCpuLayers:
@@ -30,12 +27,12 @@ class FusedCpuLayers:
         return kernels.NkLayer(
             H=layer.input_layernorm.weight.shape[0], Hq=attn.num_heads, Hkv=attn.num_kv_heads, D=attn.head_dim,
             I=gu.out_features, bs=0, eps=layer.input_layernorm.eps, scale=attn.attn.scale,
-            input_norm=_ptr(layer.input_layernorm.weight), post_norm=_ptr(layer.post_attention_layernorm.weight),
-            q_norm=_ptr(attn.q_norm.weight if attn.q_norm is not None else None),
-            k_norm=_ptr(attn.k_norm.weight if attn.k_norm is not None else None),
-            qkv=_ptr(qkv.packed), qkv_bias=_ptr(qkv.bias), o=_ptr(o.packed), o_bias=_ptr(o.bias),
-            gate_up=_ptr(gu.packed), gate_up_bias=_ptr(gu.packed_bias if gu.bias is not None else None),
-            down=_ptr(down.packed), down_bias=_ptr(down.bias))
+            input_norm=ptr(layer.input_layernorm.weight), post_norm=ptr(layer.post_attention_layernorm.weight),
+            q_norm=ptr(attn.q_norm.weight if attn.q_norm is not None else None),
+            k_norm=ptr(attn.k_norm.weight if attn.k_norm is not None else None),
+            qkv=ptr(qkv.packed), qkv_bias=ptr(qkv.bias), o=ptr(o.packed), o_bias=ptr(o.bias),
+            gate_up=ptr(gu.packed), gate_up_bias=ptr(gu.packed_bias if gu.bias is not None else None),
+            down=ptr(down.packed), down_bias=ptr(down.bias))
 
     def _buffer(self, name: str, rows: int, cols: int) -> torch.Tensor:
         return self.buffers.setdefault(name, OutputBuffer()).get(rows, cols)
@@ -54,12 +51,12 @@ class FusedCpuLayers:
         st: CpuAttentionState = meta.backend_state
         cos, sin = (r.reshape(T, -1) for r in rope)
         step = kernels.NkStep(
-            T=T, width=st.tables.shape[1], max_len=meta.max_seq_len, cos=_ptr(cos), sin=_ptr(sin),
-            slots=_ptr(meta.slot_mapping), rows=_ptr(st.rows), ctx=_ptr(st.ctx), tables=_ptr(st.tables),
-            normed=_ptr(self._buffer("normed", T, H)), qkv=_ptr(self._buffer("qkv", T, q_dim + 2 * kv_dim)),
-            q=_ptr(self._buffer("q", T, q_dim)), k=_ptr(self._buffer("k", T, kv_dim)),
-            attn=_ptr(self._buffer("attn", T, q_dim)), o=_ptr(self._buffer("o", T, H)),
-            act=_ptr(self._buffer("act", T, inter)))
+            T=T, width=st.tables.shape[1], max_len=meta.max_seq_len, cos=ptr(cos), sin=ptr(sin),
+            slots=ptr(meta.slot_mapping), rows=ptr(st.rows), ctx=ptr(st.ctx), tables=ptr(st.tables),
+            normed=ptr(self._buffer("normed", T, H)), qkv=ptr(self._buffer("qkv", T, q_dim + 2 * kv_dim)),
+            q=ptr(self._buffer("q", T, q_dim)), k=ptr(self._buffer("k", T, kv_dim)),
+            attn=ptr(self._buffer("attn", T, q_dim)), o=ptr(self._buffer("o", T, H)),
+            act=ptr(self._buffer("act", T, inter)))
         hidden, residual = self._buffer("hidden", T, H), self._buffer("residual", T, H)
         for i, (desc, layer) in enumerate(zip(self.layers, self.model.layers)):
             cache = layer.self_attn.attn
