@@ -92,7 +92,8 @@ class NkStep(ctypes.Structure):
 
     _fields_ = [(n, _L) for n in ("T", "width", "max_len")] + [
         (n, _P) for n in ("cos", "sin", "slots", "rows", "ctx", "tables",
-                          "normed", "qkv", "q", "k", "attn", "o", "act")]
+                          "normed", "qkv", "q", "k", "attn", "o", "act")] + [
+        ("keep_n", _L), ("keep", _P)]
 
 
 @lru_cache(maxsize=1)
@@ -111,7 +112,8 @@ def _lib():
     lib.nk_paged_attention.restype = None
     lib.nk_linear_silu_mul.argtypes = [p, i, i, p, i, p, p]
     lib.nk_linear_silu_mul.restype = None
-    lib.nk_decoder_layer.argtypes = [ctypes.POINTER(NkLayer), ctypes.POINTER(NkStep), p, p, ctypes.c_int, p]
+    lib.nk_decoder_layer.argtypes = [ctypes.POINTER(NkLayer), ctypes.POINTER(NkStep), p, p, ctypes.c_int,
+                                     ctypes.c_int, p]
     lib.nk_decoder_layer.restype = None
     lib.nk_rmsnorm.argtypes = [p, p, i, i, p, f, p]
     lib.nk_rmsnorm.restype = None
@@ -240,8 +242,9 @@ def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim:
 
 
 def decoder_layer(layer: NkLayer, step: NkStep, x: torch.Tensor, residual: torch.Tensor, first: bool,
-                  out: torch.Tensor) -> None:
+                  last: bool, out: torch.Tensor) -> None:
     """One decoder layer: x [T, H] -> out [T, H] (may be x), residual [T, H] updated in place
-    (set to x when first)."""
+    (set to x when first). When last and step.keep is set, only the kept rows go on from
+    attention through the MLP: out and residual then hold them in their first keep_n rows."""
     _lib().nk_decoder_layer(ctypes.byref(layer), ctypes.byref(step), x.data_ptr(), residual.data_ptr(),
-                            int(first), out.data_ptr())
+                            int(first), int(last), out.data_ptr())

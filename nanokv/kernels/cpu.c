@@ -83,10 +83,15 @@ static inline v8 exp_any(v8 x) {
     static void gemm_##MR(KERNEL_ARGS) {                                                    \
         ACCUMULATE(MR)                                                                      \
         for (int r = 0; r < MR; r++) {                                                      \
+            float *o = out + r * ldo;                                                       \
+            if (ncols == NR) {                                                              \
+                store8(o, bias ? a0[r] + load8(bias) : a0[r]);                              \
+                store8(o + 8, bias ? a1[r] + load8(bias + 8) : a1[r]);                      \
+                continue;                                                                   \
+            }                                                                               \
             float tmp[NR];                                                                  \
             store8(tmp, a0[r]);                                                             \
             store8(tmp + 8, a1[r]);                                                         \
-            float *o = out + r * ldo;                                                       \
             for (int j = 0; j < ncols; j++) o[j] = bias ? tmp[j] + bias[j] : tmp[j];        \
         }                                                                                   \
     }
@@ -142,7 +147,7 @@ static void run_panels(const tile_fn *fn, const float *x, long M, long K, const 
 #pragma omp parallel
     for (long m0 = 0; m0 < M; m0 += MC) {
         long m1 = m0 + MC < M ? m0 + MC : M;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (long p = 0; p < panels; p++) {
             const float *w = wp + p * K * NR;
             int ncols = (int)(n - p * cols < cols ? n - p * cols : cols);
@@ -550,12 +555,18 @@ struct nk_step {
     const int64_t *slots;                           /* [T] cache slot of each new token */
     const int32_t *rows, *ctx, *tables;             /* paged attention (see nk_paged_attention) */
     float *normed, *qkv, *q, *k, *attn, *o, *act;   /* workspace, [T, *] each */
+    /* The rows whose output the last layer must produce (NULL: all T), keep [keep_n],
+     * ascending: only these go on from attention through o_proj and the MLP. */
+    long keep_n;
+    const int64_t *keep;
 };
 
-/* x [T, H] -> out [T, H] (may alias x); residual [T, H] in/out: first layer: residual = x */
+/* x [T, H] -> out [T, H] (may alias x); residual [T, H] in/out: first layer: residual = x.
+ * The last layer with s->keep: out and residual [keep_n, H], the kept rows in order
+ * (attention still runs for every row: it is a small share, and rows stay bit-identical). */
 void nk_decoder_layer(const struct nk_layer *l, const struct nk_step *s, const float *x, float *residual,
-                      int first, float *out) {
-    long T = s->T, H = l->H, qkv_width = (l->Hq + 2 * l->Hkv) * l->D, kv = l->Hkv * l->D;
+                      int first, int last, float *out) {
+    long T = s->T, H = l->H, qkv_width = (l->Hq + 2 * l->Hkv) * l->D, kv = l->Hkv * l->D, q_dim = l->Hq * l->D;
     if (first) {
         memcpy(residual, x, sizeof(float) * T * H);
         nk_rmsnorm(x, 0, T, H, l->input_norm, l->eps, s->normed);
@@ -570,7 +581,17 @@ void nk_decoder_layer(const struct nk_layer *l, const struct nk_step *s, const f
     }
     nk_paged_attention(s->q, l->k_cache, l->v_cache, s->tables, s->width, s->rows, s->ctx, T, l->Hq, l->Hkv,
                        l->D, l->bs, l->scale, s->max_len, s->attn);
-    nk_linear(s->attn, T, l->Hq * l->D, l->o, H, l->o_bias, s->o);
+    if (last && s->keep) { /* compact the kept rows (keep ascending: r >= i) */
+        for (long i = 0; i < s->keep_n; i++) {
+            long r = s->keep[i];
+            if (r == i) continue;
+            memcpy(s->attn + i * q_dim, s->attn + r * q_dim, sizeof(float) * q_dim);
+            memcpy(residual + i * H, residual + r * H, sizeof(float) * H);
+        }
+        T = s->keep_n;
+        if (T == 0) return;
+    }
+    nk_linear(s->attn, T, q_dim, l->o, H, l->o_bias, s->o);
     nk_rmsnorm(s->o, residual, T, H, l->post_norm, l->eps, s->normed);
     nk_linear_silu_mul(s->normed, T, H, l->gate_up, l->I, l->gate_up_bias, s->act);
     nk_linear(s->act, T, l->I, l->down, H, l->down_bias, out);

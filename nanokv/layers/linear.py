@@ -60,7 +60,7 @@ class _Matmul(nn.Module):
         if self.packed is None:
             return F.linear(x, self.weight, bias)
         flat, out = self._kernel_io(x)
-        return kernels.linear(flat, self.packed, self.out_features, bias, out).view(*x.shape[:-1], -1)
+        return kernels.linear(flat, self.packed, self.out_features, bias, out).view(*x.shape[:-1], self.out_features)
 
     def _kernel_io(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x as contiguous [M, K], and where the kernel writes its [M, out_features]."""

@@ -41,9 +41,12 @@ class FusedCpuLayers:
     def applies(meta: AttentionMetadata) -> bool:
         return isinstance(meta.backend_state, CpuAttentionState)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Embeddings x [T, H] -> (last layer's output, residual), both [T, H]."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embeddings x [T, H] -> (last layer's output, residual), both [T, H], or [len(keep), H]
+        for the rows keep lists, in its order. The last layer runs o_proj and the MLP for
+        the kept rows only: of a prefill chunk, only the token that samples needs more
+        than its K/V there (DecoderLayer does the same)."""
         T, H = x.shape
         first = self.model.layers[0].self_attn
         q_dim, kv_dim = first.num_heads * first.head_dim, first.num_kv_heads * first.head_dim
@@ -57,10 +60,20 @@ class FusedCpuLayers:
             q=ptr(self._buffer("q", T, q_dim)), k=ptr(self._buffer("k", T, kv_dim)),
             attn=ptr(self._buffer("attn", T, q_dim)), o=ptr(self._buffer("o", T, H)),
             act=ptr(self._buffer("act", T, inter)))
+        fewer = keep is not None and keep.numel() < T
+        if fewer:
+            kept, order = keep.sort()
+            step.keep_n, step.keep = kept.numel(), ptr(kept)
         hidden, residual = self._buffer("hidden", T, H), self._buffer("residual", T, H)
+        last = len(self.layers) - 1
         for i, (desc, layer) in enumerate(zip(self.layers, self.model.layers)):
             cache = layer.self_attn.attn
             desc.k_cache, desc.v_cache = cache.k_cache.data_ptr(), cache.v_cache.data_ptr()
             desc.bs = cache.k_cache.shape[1]
-            kernels.decoder_layer(desc, step, x if i == 0 else hidden, residual, i == 0, hidden)
-        return hidden, residual
+            kernels.decoder_layer(desc, step, x if i == 0 else hidden, residual, i == 0, i == last, hidden)
+        if not fewer:
+            return (hidden, residual) if keep is None else (hidden[keep], residual[keep])
+        n = kept.numel()
+        out_h, out_r = torch.empty(n, H), torch.empty(n, H)
+        out_h[order], out_r[order] = hidden[:n], residual[:n]
+        return out_h, out_r

@@ -45,7 +45,9 @@ class DecoderAttention(nn.Module):
     def use_cpu_kernels(self) -> None:
         self.cpu_kernels = self.head_dim % 2 == 0
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden], or [len(keep), hidden]: o_proj of the kept rows only."""
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
         q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
@@ -60,8 +62,8 @@ class DecoderAttention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = RotaryEmbedding.apply(q, k, *rope)
-        o = self.attn(q, k, v, meta)  # [T, Hq, D]
-        return self.o_proj(o.reshape(T, -1))
+        o = self.attn(q, k, v, meta).reshape(T, -1)  # [T, Hq * D]
+        return self.o_proj(o if keep is None else o[keep])
 
 
 class MLP(nn.Module):
@@ -86,14 +88,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp, mlp_bias)
 
-    def forward(self, rope, x, residual, meta):
+    def forward(self, rope, x, residual, meta, keep=None):
         """(x, residual) -> (mlp output, residual): each residual add is fused into the
-        norm that follows it (HF's order of additions, so the same sums)."""
+        norm that follows it (HF's order of additions, so the same sums). With keep (row
+        indices), only those rows go on past attention: every row's K/V is cached, and the
+        last layer's other rows have no use for the rest."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(rope, x, meta)
+        x = self.self_attn(rope, x, meta, keep)
+        if keep is not None:
+            residual = residual[keep]
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -115,16 +121,18 @@ class DecoderModel(nn.Module):
         # built at first use: the layers pack their weights after this runs
         self._fuse = self.single_rank
 
-    def forward(self, input_ids, positions, meta):
+    def forward(self, input_ids, positions, meta, keep=None):
+        """[T] token ids -> final hidden states [T, hidden], or of the rows keep lists (in its
+        order) when given: the runner keeps the rows it computes logits for."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary.lookup(positions, x.dtype)
         if self._fuse and FusedCpuLayers.applies(meta):
             if self.fused is None:
                 self.fused = FusedCpuLayers(self)
-            return self.norm(*self.fused.forward(x, rope, meta))[0]
+            return self.norm(*self.fused.forward(x, rope, meta, keep))[0]
         residual = None
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual, meta)
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(rope, x, residual, meta, keep if i == len(self.layers) - 1 else None)
         return self.norm(x, residual)[0]
 
 
@@ -148,8 +156,9 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(cfg, "attention_bias", False))
         return dict(qkv_bias=bias, o_bias=bias, qk_norm=False, mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)  # [T, hidden]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, keep)  # [T or len(keep), hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [N, vocab / tp] float32

@@ -135,9 +135,9 @@ class ModelRunner:
             meta = AttentionMetadata(slots, qsl, seq_lens, tables, num_decodes, max(q_lens), max(seq_lens_cpu),
                                      q_lens, seq_lens_cpu)
             self.backend.prepare(meta, self.block_size)
-            hidden = self.model(ids, positions, meta)
+            hidden = self.model(ids, positions, meta, _keep_rows(rows, self.device))
             if rows is not None:
-                dist.gather(self.model.compute_logits(hidden[rows]).contiguous(), dst=0)
+                dist.gather(self.model.compute_logits(hidden).contiguous(), dst=0)
 
     def _gather_logits(self, local: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(local) for _ in range(self.tp.size)]
@@ -208,9 +208,10 @@ class ModelRunner:
             start = time.perf_counter()
         if graphed:
             hidden = self.graphs.run(input_ids, positions, meta)  # [T, hidden]
-        else:
-            hidden = self.model(input_ids, positions, meta)  # [T, hidden]
-        logits = None if logits_rows is None else self.model.compute_logits(hidden[logits_rows])  # [N, vocab / tp]
+            hidden = None if logits_rows is None else hidden[logits_rows]
+        else:  # only the rows that sample: [N, hidden]
+            hidden = self.model(input_ids, positions, meta, _keep_rows(logits_rows, self.device))
+        logits = None if logits_rows is None else self.model.compute_logits(hidden)  # [N, vocab / tp]
         if logits is not None and self.tp.size > 1:
             logits = self._gather_logits(logits)  # [N, vocab]
         if self._timing:
@@ -326,6 +327,11 @@ class ModelRunner:
         input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in ordered))).to(dev)
         rows = torch.tensor(logits_rows).to(dev) if logits_rows else None
         return input_ids, positions.to(dev), meta, rows
+
+
+def _keep_rows(rows: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The rows a step computes logits for, as the model's keep argument (none: empty)."""
+    return torch.empty(0, dtype=torch.long, device=device) if rows is None else rows
 
 
 def _logprobs(rows: list[ScheduledSeq], out: SamplerOutput) -> list[TokenLogprobs | None] | None:

@@ -212,3 +212,31 @@ def test_fused_layers_equal_the_layer_by_layer_kernels(model_dir):
         results.append([(o.outputs[0].token_ids, [{k: v.logprob for k, v in lp.items()} for lp in o.outputs[0].logprobs])
                         for o in outs])
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_last_layer_runs_only_the_rows_that_sample(model_dir, fused):
+    """A prefill chunk needs the last layer's output only for its sampling token: with keep,
+    the model returns exactly those rows of the full forward, in keep's order, bit for bit."""
+    from nanokv import LLM, SamplingParams
+    from nanokv.engine.types import ScheduledBatch, ScheduledSeq
+
+    llm = LLM(model_dir, max_model_len=256, kvcache_block_size=8)
+    runner = llm.llm_engine.runner
+    decoder = runner.model.model
+    decoder._fuse = fused
+    params = SamplingParams(temperature=0)
+    lens, tables = [37, 5, 20], [[0, 1, 2, 3, 4], [5], [6, 7, 8]]
+    seqs = [ScheduledSeq(i, [(11 * i + j) % 500 + 1 for j in range(n)], 0, table, i != 1, params)
+            for i, (n, table) in enumerate(zip(lens, tables))]
+    input_ids, positions, meta, rows = runner._prepare(ScheduledBatch(seqs, sum(lens)))
+    assert rows.tolist() != sorted(rows.tolist())  # the runner orders chunks shortest first
+    with torch.inference_mode():
+        runner.backend.prepare(meta, runner.block_size)
+        full = runner.model(input_ids, positions, meta)
+        kept = runner.model(input_ids, positions, meta, rows)
+        none = runner.model(input_ids, positions, meta, torch.empty(0, dtype=torch.long))
+    assert (decoder.fused is not None) == fused
+    assert full.shape == (sum(lens), decoder.norm.weight.shape[0])
+    assert torch.equal(kept, full[rows])
+    assert none.shape == (0, full.shape[1])
