@@ -210,20 +210,23 @@ def model_dims(hf_config) -> dict:
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     d = getattr(hf_config, "head_dim", None) or h // heads
     inter, vocab = hf_config.intermediate_size, hf_config.vocab_size
-    per_layer = h * (heads + 2 * kv_heads) * d + heads * d * h + 3 * h * inter
+    past_attention = heads * d * h + 3 * h * inter  # o_proj and the MLP
+    per_layer = h * (heads + 2 * kv_heads) * d + past_attention
     return dict(layers=layers, heads=heads, kv_heads=kv_heads, head_dim=d, vocab=vocab, hidden=h,
-                linear_params=layers * per_layer, head_params=vocab * h)
+                linear_params=layers * per_layer, head_params=vocab * h, past_attention_params=past_attention)
 
 
 def workload_flops(dims: dict, reqs: list[Request]) -> float:
     """Matmul FLOPs nanokv must do: every prompt token and every generated token but the
-    last goes through the layers; attention over its context; the LM head once per
+    last goes through the layers, except that of the prompt only the last token needs the
+    last layer's o_proj and MLP; attention over its context; the LM head once per
     generated token."""
     flops = 0.0
     attn = 4 * dims["layers"] * dims["heads"] * dims["head_dim"]  # QK^T and PV, per (query, key)
     for r in reqs:
         computed = len(r.prompt) + r.max_tokens - 1
         flops += 2 * dims["linear_params"] * computed
+        flops -= 2 * dims["past_attention_params"] * (len(r.prompt) - 1)
         flops += attn * computed * (computed + 1) / 2  # causal: query p sees p + 1 keys
         flops += 2 * dims["head_params"] * r.max_tokens
     return flops
