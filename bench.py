@@ -53,8 +53,32 @@ class Result:
         return self.output_tokens / self.seconds
 
 
-def make_workload(name: str, vocab: int, seed: int = 0) -> list[Request]:
-    spec = WORKLOADS[name]
+def workload_spec(name: str, num_requests: int | None = None, prompt: str | None = None,
+                  output: str | None = None) -> dict:
+    """WORKLOADS[name], with any of its numbers replaced: lengths as "LO-HI" or "N"."""
+    spec = dict(WORKLOADS[name])
+    if num_requests is not None:
+        if num_requests < 1:
+            raise ValueError(f"--num-requests must be at least 1, got {num_requests}")
+        spec["num_requests"] = num_requests
+    for key, text in (("prompt", prompt), ("output", output)):
+        if text is None:
+            continue
+        lo, _, hi = text.partition("-")
+        try:
+            bounds = (int(lo), int(hi or lo))
+        except ValueError:
+            raise ValueError(f"--{key}-lens takes LO-HI or N (token counts), got {text!r}") from None
+        if not 1 <= bounds[0] <= bounds[1]:
+            raise ValueError(f"--{key}-lens needs 1 <= LO <= HI, got {text!r}")
+        spec[key] = bounds
+    return spec
+
+
+def make_workload(name: str | dict, vocab: int, seed: int = 0) -> list[Request]:
+    """Requests of a named workload (or a spec from workload_spec): prompt and output
+    lengths uniform in their ranges, token ids uniform in [0, vocab)."""
+    spec = WORKLOADS[name] if isinstance(name, str) else name
     rng = random.Random(seed)
     reqs = []
     for _ in range(spec["num_requests"]):
@@ -312,6 +336,9 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="nano" if cuda else "cpu")
+    p.add_argument("--num-requests", type=int, help="override the workload's number of requests")
+    p.add_argument("--prompt-lens", help="override the workload's prompt lengths: LO-HI (uniform) or N")
+    p.add_argument("--output-lens", help="override the workload's output lengths: LO-HI (uniform) or N")
     p.add_argument("--model", help="a Hugging Face model directory")
     p.add_argument("--shape", default="qwen3-0.6b" if cuda else "cpu-small",
                    help="random weights of a known shape when --model is not given: "
@@ -329,6 +356,10 @@ def main() -> None:
                         "reports its fastest (default 2 on CPU, 1 on GPU)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = p.parse_args()
+    try:
+        spec = workload_spec(args.workload, args.num_requests, args.prompt_lens, args.output_lens)
+    except ValueError as e:
+        p.error(str(e))
 
     device = torch.device("cuda" if cuda else "cpu")
     model_dir = resolve_model(args)
@@ -337,7 +368,7 @@ def main() -> None:
     hf_config = AutoConfig.from_pretrained(model_dir)
     dims = model_dims(hf_config)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    reqs = make_workload(args.workload, min(hf_config.vocab_size, 32000), args.seed)
+    reqs = make_workload(spec, min(hf_config.vocab_size, 32000), args.seed)
     engines = set(args.engines.split(","))
     sizes = [int(x) for x in args.hf_batch_sizes.split(",") if x] or ([8, 16, 32, 64] if device.type == "cpu" else [32, 64, 128])
 
@@ -376,7 +407,8 @@ def main() -> None:
         results.append(run_vllm(model_dir, reqs, device))
 
     base = next((r for r in results if r.engine == "HF generate"), None)
-    report = dict(workload=args.workload, num_requests=len(reqs), model=args.model or f"random {args.shape}",
+    report = dict(workload=args.workload, num_requests=len(reqs), prompt_lens=list(spec["prompt"]),
+                  output_lens=list(spec["output"]), model=args.model or f"random {args.shape}",
                   device=torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads",
                   dtype=str(dtype).replace("torch.", ""), torch=torch.__version__, results=[])
     for r in results:
@@ -392,7 +424,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=2, default=str))
         return
-    print(f"workload {args.workload}: {len(reqs)} requests, {report['model']}, {report['device']}, "
+    lens = "prompts {}-{}, outputs {}-{} tokens".format(*spec["prompt"], *spec["output"])
+    print(f"workload {args.workload}: {len(reqs)} requests, {lens}, {report['model']}, {report['device']}, "
           f"{report['dtype']}, torch {torch.__version__}\n")
     print("| engine | output tokens | seconds | tok/s | vs HF generate | peak memory (GiB) | note |")
     print("|---|---|---|---|---|---|---|")

@@ -33,3 +33,23 @@ def test_bench_reports_nanokv_and_hf_side_by_side(model_dir):
     assert rows["nanokv"]["steps"] > 0 and rows["nanokv"]["kv"]["num_preemptions"] == 0
     assert report["roofline"]["floor_seconds"] > 0 and report["roofline"]["percent"] > 0
     assert 0 <= report["outside_forward_percent"] < 100
+
+
+def test_workload_overrides():
+    sys.path.insert(0, ROOT)
+    try:
+        import bench
+    finally:
+        sys.path.remove(ROOT)
+    spec = bench.workload_spec("cpu", num_requests=5, prompt="300-400", output="7")
+    assert spec == dict(num_requests=5, prompt=(300, 400), output=(7, 7))
+    reqs = bench.make_workload(spec, 1000)
+    assert len(reqs) == 5 and all(300 <= len(r.prompt) <= 400 and r.max_tokens == 7 for r in reqs)
+    assert bench.workload_spec("cpu") == bench.WORKLOADS["cpu"]
+    for bad in ("0-5", "9-3", "x", "1-y"):
+        try:
+            bench.workload_spec("cpu", prompt=bad)
+        except ValueError as e:
+            assert "--prompt-lens" in str(e)
+        else:
+            raise AssertionError(bad)
