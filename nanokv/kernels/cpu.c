@@ -26,6 +26,7 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 static inline v8 load8(const float *p) { return *(const v8u *)p; }
 static inline void store8(float *p, v8 v) { *(v8u *)p = v; }
 static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+static inline v8 select8(v8i m, v8 a, v8 b) { return (v8)(((v8i)a & m) | ((v8i)b & ~m)); } /* m ? a : b */
 
 /* exp for any x (clamped to [-87, 88]): 2^n * p(f), n = round(x / ln2) */
 static inline v8 exp_any(v8 x) {
@@ -314,103 +315,231 @@ static float softmax_row(float *s, long L) {
 /* ---- prefill tiles: consecutive queries of one sequence, as small GEMMs ---------------
  * A tile holds n consecutive prompt tokens of one sequence (positions p0..p0+n-1, so
  * context lengths c0..c0+n-1) and one KV head: its R = n * G query rows share every key
- * and value read. S = Q K^T runs on a transposed chunk of 8 keys (a broadcast of q[r][d]
- * against 8 keys per FMA, 4 rows at a time), O = P V on value rows (4 rows x 16 dims of
- * accumulators): GEMM-shaped inner loops instead of one dot product per (query, key). */
-#define TILE_ROWS 32 /* query rows (queries x heads of the group) per tile */
-#define RB 4         /* query rows per register block */
+ * and value read. The rows are packed once, transposed, into 16-row panels, so that
+ * S^T = K Q^T has the rows in vector lanes: keys are broadcast straight from their cache
+ * rows, 4 keys x 16 rows of accumulators. The softmax then runs down the keys with the
+ * rows in lanes too (no horizontal sums), and O = P V goes a page at a time, 4 rows x 16
+ * dims of accumulators, the page's value rows staying in L1 while every row block passes
+ * over them. */
+#define TILE_ROWS 32 /* query rows (queries x heads of the group) per tile; a multiple of 16 */
+#define RB 4         /* rows (or keys) per register block */
 
 static const float ZERO_ROW[512] = {0}; /* stands in for missing rows of a block; D <= 512 */
 
-static void tile_scores(const float *const *qr, long R, long D, const float *kc, long h,
-                        const int32_t *table, long L, long bs, long row_stride, float scale,
-                        float *s, float *kt) {
-    for (long j0 = 0; j0 < L; j0 += 16) { /* keys j0..j0+15, across page boundaries */
-        long nk = L - j0 < 16 ? L - j0 : 16;
-        for (long j = 0; j < 16; j++) { /* kt[d][j] = k_{j0 + j}[d], zero past nk */
-            if (j < nk) {
-                long t = j0 + j;
-                const float *k = kc + ((long)table[t / bs] * bs + t % bs) * row_stride + h * D;
-                for (long d = 0; d < D; d++) kt[d * 16 + j] = k[d];
-            } else {
-                for (long d = 0; d < D; d++) kt[d * 16 + j] = 0.0f;
+/* r[k] <- lane k of every r[i] (an 8 x 8 transpose in registers) */
+static inline void transpose8(v8 *r) {
+    const v8i lo = {0, 8, 1, 9, 4, 12, 5, 13}, hi = {2, 10, 3, 11, 6, 14, 7, 15};
+    const v8i even = {0, 1, 8, 9, 4, 5, 12, 13}, odd = {2, 3, 10, 11, 6, 7, 14, 15};
+    const v8i first = {0, 1, 2, 3, 8, 9, 10, 11}, second = {4, 5, 6, 7, 12, 13, 14, 15};
+    v8 t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = __builtin_shuffle(r[2 * i], r[2 * i + 1], lo);
+        t[2 * i + 1] = __builtin_shuffle(r[2 * i], r[2 * i + 1], hi);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = __builtin_shuffle(t[4 * i], t[4 * i + 2], even);
+        u[4 * i + 1] = __builtin_shuffle(t[4 * i], t[4 * i + 2], odd);
+        u[4 * i + 2] = __builtin_shuffle(t[4 * i + 1], t[4 * i + 3], even);
+        u[4 * i + 3] = __builtin_shuffle(t[4 * i + 1], t[4 * i + 3], odd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = __builtin_shuffle(u[i], u[i + 4], first);
+        r[i + 4] = __builtin_shuffle(u[i], u[i + 4], second);
+    }
+}
+
+/* qt[p][d][j] = row 16 p + j of the tile at dim d, zero past R (8 x 8 blocks transposed) */
+static void pack_rows(const float *const *qr, long R, long D, float *qt) {
+    for (long j0 = 0; j0 < (R + 15) / 16 * 16; j0 += 8) {
+        const float *rows[8];
+        for (int i = 0; i < 8; i++) rows[i] = j0 + i < R ? qr[j0 + i] : ZERO_ROW;
+        float *dst = qt + (j0 / 16) * D * 16 + j0 % 16;
+        for (long d0 = 0; d0 < D; d0 += 8) {
+            v8 b[8];
+            for (int i = 0; i < 8; i++) b[i] = load8(rows[i] + d0);
+            transpose8(b);
+            for (int k = 0; k < 8; k++) store8(dst + (d0 + k) * 16, b[k]);
+        }
+    }
+}
+
+/* st[t][r] = scale * k_t . q_r for the n keys of one page (rows at row_stride), r < Rp */
+static void page_scores(const float *keys, long n, long row_stride, long D, const float *qt, long Rp,
+                        float scale, float *st) {
+    for (long p = 0; p < Rp / 16; p++) {
+        const float *w = qt + p * D * 16;
+        float *o = st + p * 16;
+        long t = 0;
+        for (; t + 6 <= n; t += 6) {
+            const float *kr[6];
+            for (int i = 0; i < 6; i++) kr[i] = keys + (t + i) * row_stride;
+            v8 a0[6], a1[6];
+            for (int i = 0; i < 6; i++) a0[i] = a1[i] = splat(0);
+            for (long d = 0; d < D; d++) {
+                v8 w0 = load8(w + d * 16), w1 = load8(w + d * 16 + 8);
+                for (int i = 0; i < 6; i++) {
+                    v8 b = splat(kr[i][d]);
+                    a0[i] += b * w0;
+                    a1[i] += b * w1;
+                }
+            }
+            for (int i = 0; i < 6; i++) {
+                store8(o + (t + i) * Rp, a0[i] * splat(scale));
+                store8(o + (t + i) * Rp + 8, a1[i] * splat(scale));
             }
         }
-        for (long r0 = 0; r0 < R; r0 += RB) {
-            const float *q0 = qr[r0], *q1 = r0 + 1 < R ? qr[r0 + 1] : ZERO_ROW;
-            const float *q2 = r0 + 2 < R ? qr[r0 + 2] : ZERO_ROW, *q3 = r0 + 3 < R ? qr[r0 + 3] : ZERO_ROW;
+        for (; t + RB <= n; t += RB) {
+            const float *k0 = keys + t * row_stride, *k1 = k0 + row_stride;
+            const float *k2 = k1 + row_stride, *k3 = k2 + row_stride;
             v8 a00 = splat(0), a01 = splat(0), a10 = splat(0), a11 = splat(0);
             v8 a20 = splat(0), a21 = splat(0), a30 = splat(0), a31 = splat(0);
             for (long d = 0; d < D; d++) {
-                v8 k0 = load8(kt + d * 16), k1 = load8(kt + d * 16 + 8);
-                v8 b0 = splat(q0[d]), b1 = splat(q1[d]), b2 = splat(q2[d]), b3 = splat(q3[d]);
-                a00 += b0 * k0; a01 += b0 * k1;
-                a10 += b1 * k0; a11 += b1 * k1;
-                a20 += b2 * k0; a21 += b2 * k1;
-                a30 += b3 * k0; a31 += b3 * k1;
+                v8 w0 = load8(w + d * 16), w1 = load8(w + d * 16 + 8);
+                v8 b0 = splat(k0[d]), b1 = splat(k1[d]), b2 = splat(k2[d]), b3 = splat(k3[d]);
+                a00 += b0 * w0; a01 += b0 * w1;
+                a10 += b1 * w0; a11 += b1 * w1;
+                a20 += b2 * w0; a21 += b2 * w1;
+                a30 += b3 * w0; a31 += b3 * w1;
             }
-            v8 lo[RB] = {a00, a10, a20, a30}, hi[RB] = {a01, a11, a21, a31};
-            for (long rr = 0; rr < RB && r0 + rr < R; rr++) {
-                float *sr = s + (r0 + rr) * L + j0;
-                for (long j = 0; j < nk; j++) sr[j] = (j < 8 ? lo[rr][j] : hi[rr][j - 8]) * scale;
+            v8 sc = splat(scale);
+            store8(o + t * Rp, a00 * sc), store8(o + t * Rp + 8, a01 * sc);
+            store8(o + (t + 1) * Rp, a10 * sc), store8(o + (t + 1) * Rp + 8, a11 * sc);
+            store8(o + (t + 2) * Rp, a20 * sc), store8(o + (t + 2) * Rp + 8, a21 * sc);
+            store8(o + (t + 3) * Rp, a30 * sc), store8(o + (t + 3) * Rp + 8, a31 * sc);
+        }
+        for (; t < n; t++) {
+            const float *k0 = keys + t * row_stride;
+            v8 a0 = splat(0), a1 = splat(0);
+            for (long d = 0; d < D; d++) {
+                v8 b = splat(k0[d]);
+                a0 += b * load8(w + d * 16);
+                a1 += b * load8(w + d * 16 + 8);
             }
+            store8(o + t * Rp, a0 * splat(scale)), store8(o + t * Rp + 8, a1 * splat(scale));
         }
     }
 }
 
-static void tile_values(const float *s, long R, long D, const float *vc, long h, const int32_t *table,
-                        long L, long bs, long row_stride, float *const *orow) {
-    for (long r0 = 0; r0 < R; r0 += RB) {
-        long nr = R - r0 < RB ? R - r0 : RB;
-        const float *p0 = s + r0 * L, *p1 = nr > 1 ? p0 + L : p0;
-        const float *p2 = nr > 2 ? p0 + 2 * L : p0, *p3 = nr > 3 ? p0 + 3 * L : p0;
-        for (long d0 = 0; d0 < D; d0 += 16) {
-            int wide = D - d0 >= 16;
-            v8 a00 = splat(0), a01 = splat(0), a10 = splat(0), a11 = splat(0);
-            v8 a20 = splat(0), a21 = splat(0), a30 = splat(0), a31 = splat(0);
-            for (long t0 = 0; t0 < L; t0 += bs) {
-                const float *page = vc + (long)table[t0 / bs] * bs * row_stride + h * D + d0;
-                long n = L - t0 < bs ? L - t0 : bs;
-                for (long j = 0; j < n; j++) {
-                    const float *vr = page + j * row_stride;
-                    v8 w0 = load8(vr), w1 = wide ? load8(vr + 8) : splat(0);
-                    v8 b0 = splat(p0[t0 + j]), b1 = splat(p1[t0 + j]);
-                    v8 b2 = splat(p2[t0 + j]), b3 = splat(p3[t0 + j]);
-                    a00 += b0 * w0; a01 += b0 * w1;
-                    a10 += b1 * w0; a11 += b1 * w1;
-                    a20 += b2 * w0; a21 += b2 * w1;
-                    a30 += b3 * w0; a31 += b3 * w1;
-                }
-            }
-            v8 lo[RB] = {a00, a10, a20, a30}, hi[RB] = {a01, a11, a21, a31};
-            for (long rr = 0; rr < nr; rr++) {
-                store8(orow[r0 + rr] + d0, lo[rr]);
-                if (wide) store8(orow[r0 + rr] + d0 + 8, hi[rr]);
-            }
-        }
-    }
-}
-
-/* one prefill tile (queries t0..t0+n-1, contexts c0..c0+n-1) against KV head h */
+/* one prefill tile (queries t0..t0+n-1, contexts c0..c0+n-1) against KV head h;
+ * s: L * Rp floats, qt: Rp * D floats (Rp = R rounded up to 16) */
 static void attend_tile(const float *q, const float *kc, const float *vc, const int32_t *table, long t0,
                         long n, long c0, long h, long Hq, long G, long D, long bs, long row_stride,
-                        float scale, float *out, float *s, float *kt) {
+                        float scale, float *out, float *s, float *qt) {
     const float *qr[TILE_ROWS];
     float *orow[TILE_ROWS];
-    long R = n * G, L = c0 + n - 1;
+    long R = n * G, L = c0 + n - 1, Rp = (R + 15) / 16 * 16;
     for (long i = 0; i < n; i++)
         for (long g = 0; g < G; g++) {
             qr[i * G + g] = q + ((t0 + i) * Hq + h * G + g) * D;
             orow[i * G + g] = out + ((t0 + i) * Hq + h * G + g) * D;
         }
-    tile_scores(qr, R, D, kc, h, table, L, bs, row_stride, scale, s, kt);
-    for (long r = 0; r < R; r++) { /* query r / G sees c0 + r / G keys (causal) */
-        long Lr = c0 + r / G;
-        float inv = softmax_row(s + r * L, Lr);
-        for (long j = 0; j < Lr; j++) s[r * L + j] *= inv;
-        for (long j = Lr; j < L; j++) s[r * L + j] = 0.0f;
+    pack_rows(qr, R, D, qt);
+    for (long k0 = 0; k0 < L; k0 += bs) {
+        long nk = L - k0 < bs ? L - k0 : bs;
+        page_scores(kc + (long)table[k0 / bs] * bs * row_stride + h * D, nk, row_stride, D, qt, Rp, scale,
+                    s + k0 * Rp);
     }
-    tile_values(s, R, D, vc, h, table, L, bs, row_stride, orow);
+    /* softmax down the keys, 8 rows per vector: row r sees the first c0 + r / G keys */
+    float inv[TILE_ROWS];
+    for (long r0 = 0; r0 < Rp; r0 += 8) {
+        v8i seen;
+        for (int i = 0; i < 8; i++) seen[i] = (int32_t)(c0 + (r0 + i) / G);
+        v8 mx = splat(-INFINITY), sum = splat(0);
+        for (long t = 0; t < L; t++) {
+            v8 x = load8(s + t * Rp + r0);
+            v8i live = (v8i){0, 0, 0, 0, 0, 0, 0, 0} + (int32_t)t < seen;
+            mx = select8(live & (x > mx), x, mx);
+        }
+        for (long t = 0; t < L; t++) {
+            v8i live = (v8i){0, 0, 0, 0, 0, 0, 0, 0} + (int32_t)t < seen;
+            v8 e = exp_any(load8(s + t * Rp + r0) - mx);
+            e = select8(live, e, splat(0));
+            store8(s + t * Rp + r0, e);
+            sum += e;
+        }
+        for (int i = 0; i < 8 && r0 + i < R; i++) inv[r0 + i] = 1.0f / sum[i];
+    }
+    /* O = P V, a page at a time; the sums go back to the output rows between pages */
+    for (long k0 = 0; k0 < L; k0 += bs) {
+        const float *page = vc + (long)table[k0 / bs] * bs * row_stride + h * D;
+        long nk = L - k0 < bs ? L - k0 : bs;
+        long r0 = 0;
+        for (; r0 + 6 <= R; r0 += 6) { /* 6 rows x 16 dims of accumulators */
+            const float *p = s + k0 * Rp + r0;
+            for (long d0 = 0; d0 < D; d0 += 16) {
+                if (D - d0 < 16) break; /* the last 8 dims: below */
+                v8 a0[6], a1[6];
+                for (int i = 0; i < 6; i++) {
+                    a0[i] = k0 > 0 ? load8(orow[r0 + i] + d0) : splat(0);
+                    a1[i] = k0 > 0 ? load8(orow[r0 + i] + d0 + 8) : splat(0);
+                }
+                for (long j = 0; j < nk; j++) {
+                    const float *vr = page + j * row_stride + d0, *pj = p + j * Rp;
+                    v8 w0 = load8(vr), w1 = load8(vr + 8);
+                    for (int i = 0; i < 6; i++) {
+                        v8 b = splat(pj[i]);
+                        a0[i] += b * w0;
+                        a1[i] += b * w1;
+                    }
+                }
+                for (int i = 0; i < 6; i++) {
+                    store8(orow[r0 + i] + d0, a0[i]);
+                    store8(orow[r0 + i] + d0 + 8, a1[i]);
+                }
+            }
+            if (D % 16) { /* D = 16 m + 8 */
+                long d0 = D - 8;
+                for (int i = 0; i < 6; i++) {
+                    v8 a = k0 > 0 ? load8(orow[r0 + i] + d0) : splat(0);
+                    for (long j = 0; j < nk; j++) a += splat(p[j * Rp + i]) * load8(page + j * row_stride + d0);
+                    store8(orow[r0 + i] + d0, a);
+                }
+            }
+        }
+        for (; r0 < R; r0 += RB) {
+            long nr = R - r0 < RB ? R - r0 : RB;
+            const float *in[RB]; /* the sums so far: none before the first page; rows past nr read zeros */
+            for (long i = 0; i < RB; i++) in[i] = k0 > 0 && i < nr ? orow[r0 + i] : ZERO_ROW;
+            const float *p = s + k0 * Rp + r0;
+            long o1 = nr > 1 ? 1 : 0, o2 = nr > 2 ? 2 : 0, o3 = nr > 3 ? 3 : 0; /* lanes past nr: lane 0 */
+            for (long d0 = 0; d0 < D; d0 += 16) {
+                int wide = D - d0 >= 16;
+                v8 a00 = load8(in[0] + d0), a10 = load8(in[1] + d0), a20 = load8(in[2] + d0), a30 = load8(in[3] + d0);
+                v8 a01 = splat(0), a11 = splat(0), a21 = splat(0), a31 = splat(0);
+                if (wide) {
+                    a01 = load8(in[0] + d0 + 8), a11 = load8(in[1] + d0 + 8);
+                    a21 = load8(in[2] + d0 + 8), a31 = load8(in[3] + d0 + 8);
+                    for (long j = 0; j < nk; j++) {
+                        const float *vr = page + j * row_stride + d0, *pj = p + j * Rp;
+                        v8 w0 = load8(vr), w1 = load8(vr + 8);
+                        v8 b0 = splat(pj[0]), b1 = splat(pj[o1]), b2 = splat(pj[o2]), b3 = splat(pj[o3]);
+                        a00 += b0 * w0; a01 += b0 * w1;
+                        a10 += b1 * w0; a11 += b1 * w1;
+                        a20 += b2 * w0; a21 += b2 * w1;
+                        a30 += b3 * w0; a31 += b3 * w1;
+                    }
+                } else {
+                    for (long j = 0; j < nk; j++) {
+                        const float *pj = p + j * Rp;
+                        v8 w0 = load8(page + j * row_stride + d0);
+                        a00 += splat(pj[0]) * w0;
+                        a10 += splat(pj[o1]) * w0;
+                        a20 += splat(pj[o2]) * w0;
+                        a30 += splat(pj[o3]) * w0;
+                    }
+                }
+                v8 lo[RB] = {a00, a10, a20, a30}, hi[RB] = {a01, a11, a21, a31};
+                for (long i = 0; i < nr; i++) {
+                    store8(orow[r0 + i] + d0, lo[i]);
+                    if (wide) store8(orow[r0 + i] + d0 + 8, hi[i]);
+                }
+            }
+        }
+    }
+    for (long r = 0; r < R; r++) {
+        v8 f = splat(inv[r]);
+        for (long d = 0; d < D; d += 8) store8(orow[r] + d, load8(orow[r] + d) * f);
+    }
 }
 
 /* Paged attention, one query token per row: query t (q [T, Hq, D]) belongs to the
@@ -458,7 +587,7 @@ void nk_paged_attention(const float *q, const float *kc, const float *vc, const 
     {
         long rows_max = Hq > TILE_ROWS ? Hq : TILE_ROWS;
         float *s = malloc(sizeof(float) * rows_max * (max_len > 0 ? max_len : 1));
-        float *kt = malloc(sizeof(float) * 16 * D);
+        float *qt = malloc(sizeof(float) * TILE_ROWS * D);
         /* longest first: the runner orders sequences shortest first, and a long item
          * left for last keeps the other threads waiting at the barrier */
 #pragma omp for schedule(dynamic, 1)
@@ -468,7 +597,7 @@ void nk_paged_attention(const float *q, const float *kc, const float *vc, const 
             long L = ctx[t];
             const int32_t *table = tables + (long)rows[t] * width;
             if (n > 1) {
-                attend_tile(q, kc, vc, table, t, n, L, h0, Hq, G, D, bs, row_stride, scale, out, s, kt);
+                attend_tile(q, kc, vc, table, t, n, L, h0, Hq, G, D, bs, row_stride, scale, out, s, qt);
                 continue;
             }
             float *ot = out + (t * Hq + h0 * G) * D;
@@ -484,7 +613,7 @@ void nk_paged_attention(const float *q, const float *kc, const float *vc, const 
             weighted_values(s, G, D, h0, h1, vc, table, L, bs, row_stride, ot);
         }
         free(s);
-        free(kt);
+        free(qt);
     }
     free(items);
 }
