@@ -65,7 +65,7 @@ def _meta(q_lens, ctx_lens, block_size, num_blocks, gen):
         query_lens_cpu=list(q_lens), seq_lens_cpu=list(ctx_lens))
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(8, 4, 64), (4, 1, 32), (6, 6, 16), (16, 2, 128), (2, 2, 8), (8, 1, 24), (3, 1, 40)])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 4, 64), (4, 1, 32), (6, 6, 16), (16, 2, 128), (2, 2, 8), (8, 1, 24), (3, 1, 40), (4, 2, 256), (2, 1, 512)])
 @pytest.mark.parametrize("block_size", [16, 5, 1])
 def test_paged_attention_matches_torch_reference(hq, hkv, d, block_size):
     """Decodes, whole prompts and chunks after a cached prefix in one step, against the
