@@ -317,12 +317,11 @@ static float softmax_row(float *s, long L) {
  * context lengths c0..c0+n-1) and one KV head: its R = n * G query rows share every key
  * and value read. The rows are packed once, transposed, into 16-row panels, so that
  * S^T = K Q^T has the rows in vector lanes: keys are broadcast straight from their cache
- * rows, 4 keys x 16 rows of accumulators. The softmax then runs down the keys with the
- * rows in lanes too (no horizontal sums), and O = P V goes a page at a time, 4 rows x 16
- * dims of accumulators, the page's value rows staying in L1 while every row block passes
- * over them. */
+ * rows, up to 6 keys x 16 rows of accumulators. The softmax then runs down the keys with
+ * the rows in lanes too (no horizontal sums), and O = P V goes a page at a time, up to 6
+ * rows x 16 dims of accumulators, the page's value rows staying in L1 while every row
+ * block passes over them. */
 #define TILE_ROWS 32 /* query rows (queries x heads of the group) per tile; a multiple of 16 */
-#define RB 4         /* rows (or keys) per register block */
 
 static const float ZERO_ROW[512] = {0}; /* stands in for missing rows of a block; D <= 512 */
 
@@ -363,60 +362,81 @@ static void pack_rows(const float *const *qr, long R, long D, float *qt) {
     }
 }
 
-/* st[t][r] = scale * k_t . q_r for the n keys of one page (rows at row_stride), r < Rp */
+/* Register blocks of the tiles: up to KB keys (or rows) x 16 lanes of accumulators. Each
+ * block body is written once, for a count NB the callers pass as a constant (SPECIALIZE),
+ * so every size compiles to its own fully unrolled copy. */
+#define KB 6
+#define SPECIALIZE(n, call)                                                                 \
+    switch (n) {                                                                            \
+    case 1: call(1); break;                                                                 \
+    case 2: call(2); break;                                                                 \
+    case 3: call(3); break;                                                                 \
+    case 4: call(4); break;                                                                 \
+    case 5: call(5); break;                                                                 \
+    default: call(6); break;                                                                \
+    }
+
+/* st[t][r] = scale * k_t . q_r for NB keys t (rows at row_stride) and the 16 rows of panel w */
+static inline __attribute__((always_inline)) void score_block(const float *keys, long row_stride, long D,
+                                                              const float *w, float scale, float *o, long Rp,
+                                                              const int NB) {
+    v8 a0[KB], a1[KB];
+    for (int i = 0; i < NB; i++) a0[i] = a1[i] = splat(0);
+    for (long d = 0; d < D; d++) {
+        v8 w0 = load8(w + d * 16), w1 = load8(w + d * 16 + 8);
+        for (int i = 0; i < NB; i++) {
+            v8 b = splat(keys[i * row_stride + d]);
+            a0[i] += b * w0;
+            a1[i] += b * w1;
+        }
+    }
+    for (int i = 0; i < NB; i++) {
+        store8(o + i * Rp, a0[i] * splat(scale));
+        store8(o + i * Rp + 8, a1[i] * splat(scale));
+    }
+}
+
+/* st[t][r] = scale * k_t . q_r for the n keys of one page, r < Rp */
 static void page_scores(const float *keys, long n, long row_stride, long D, const float *qt, long Rp,
                         float scale, float *st) {
-    for (long p = 0; p < Rp / 16; p++) {
-        const float *w = qt + p * D * 16;
-        float *o = st + p * 16;
-        long t = 0;
-        for (; t + 6 <= n; t += 6) {
-            const float *kr[6];
-            for (int i = 0; i < 6; i++) kr[i] = keys + (t + i) * row_stride;
-            v8 a0[6], a1[6];
-            for (int i = 0; i < 6; i++) a0[i] = a1[i] = splat(0);
-            for (long d = 0; d < D; d++) {
-                v8 w0 = load8(w + d * 16), w1 = load8(w + d * 16 + 8);
-                for (int i = 0; i < 6; i++) {
-                    v8 b = splat(kr[i][d]);
-                    a0[i] += b * w0;
-                    a1[i] += b * w1;
-                }
-            }
-            for (int i = 0; i < 6; i++) {
-                store8(o + (t + i) * Rp, a0[i] * splat(scale));
-                store8(o + (t + i) * Rp + 8, a1[i] * splat(scale));
+    for (long p = 0; p < Rp / 16; p++)
+        for (long t = 0; t < n; t += KB) {
+#define SCORE_BLOCK(NB) score_block(keys + t * row_stride, row_stride, D, qt + p * D * 16, scale, st + t * Rp + p * 16, Rp, NB)
+            SPECIALIZE(n - t, SCORE_BLOCK)
+#undef SCORE_BLOCK
+        }
+}
+
+/* out rows 0..NB-1 (orow), dims [d0, d0 + 8 * halves), += P V over the page's nk keys (p:
+ * P^T at the page's first key and the block's first row, stride Rp); the first page starts
+ * from zero */
+static inline __attribute__((always_inline)) void value_block(const float *p, long Rp, const float *page, long nk,
+                                                              long row_stride, float *const *orow, int first,
+                                                              long d0, int halves, const int NB) {
+    v8 a0[KB], a1[KB];
+    for (int i = 0; i < NB; i++) {
+        a0[i] = first ? splat(0) : load8(orow[i] + d0);
+        a1[i] = first || halves < 2 ? splat(0) : load8(orow[i] + d0 + 8);
+    }
+    if (halves == 2) {
+        for (long j = 0; j < nk; j++) {
+            const float *vr = page + j * row_stride + d0, *pj = p + j * Rp;
+            v8 w0 = load8(vr), w1 = load8(vr + 8);
+            for (int i = 0; i < NB; i++) {
+                v8 b = splat(pj[i]);
+                a0[i] += b * w0;
+                a1[i] += b * w1;
             }
         }
-        for (; t + RB <= n; t += RB) {
-            const float *k0 = keys + t * row_stride, *k1 = k0 + row_stride;
-            const float *k2 = k1 + row_stride, *k3 = k2 + row_stride;
-            v8 a00 = splat(0), a01 = splat(0), a10 = splat(0), a11 = splat(0);
-            v8 a20 = splat(0), a21 = splat(0), a30 = splat(0), a31 = splat(0);
-            for (long d = 0; d < D; d++) {
-                v8 w0 = load8(w + d * 16), w1 = load8(w + d * 16 + 8);
-                v8 b0 = splat(k0[d]), b1 = splat(k1[d]), b2 = splat(k2[d]), b3 = splat(k3[d]);
-                a00 += b0 * w0; a01 += b0 * w1;
-                a10 += b1 * w0; a11 += b1 * w1;
-                a20 += b2 * w0; a21 += b2 * w1;
-                a30 += b3 * w0; a31 += b3 * w1;
-            }
-            v8 sc = splat(scale);
-            store8(o + t * Rp, a00 * sc), store8(o + t * Rp + 8, a01 * sc);
-            store8(o + (t + 1) * Rp, a10 * sc), store8(o + (t + 1) * Rp + 8, a11 * sc);
-            store8(o + (t + 2) * Rp, a20 * sc), store8(o + (t + 2) * Rp + 8, a21 * sc);
-            store8(o + (t + 3) * Rp, a30 * sc), store8(o + (t + 3) * Rp + 8, a31 * sc);
+    } else {
+        for (long j = 0; j < nk; j++) {
+            v8 w0 = load8(page + j * row_stride + d0);
+            for (int i = 0; i < NB; i++) a0[i] += splat(p[j * Rp + i]) * w0;
         }
-        for (; t < n; t++) {
-            const float *k0 = keys + t * row_stride;
-            v8 a0 = splat(0), a1 = splat(0);
-            for (long d = 0; d < D; d++) {
-                v8 b = splat(k0[d]);
-                a0 += b * load8(w + d * 16);
-                a1 += b * load8(w + d * 16 + 8);
-            }
-            store8(o + t * Rp, a0 * splat(scale)), store8(o + t * Rp + 8, a1 * splat(scale));
-        }
+    }
+    for (int i = 0; i < NB; i++) {
+        store8(orow[i] + d0, a0[i]);
+        if (halves == 2) store8(orow[i] + d0 + 8, a1[i]);
     }
 }
 
@@ -463,78 +483,12 @@ static void attend_tile(const float *q, const float *kc, const float *vc, const 
     for (long k0 = 0; k0 < L; k0 += bs) {
         const float *page = vc + (long)table[k0 / bs] * bs * row_stride + h * D;
         long nk = L - k0 < bs ? L - k0 : bs;
-        long r0 = 0;
-        for (; r0 + 6 <= R; r0 += 6) { /* 6 rows x 16 dims of accumulators */
-            const float *p = s + k0 * Rp + r0;
+        for (long r0 = 0; r0 < R; r0 += KB)
             for (long d0 = 0; d0 < D; d0 += 16) {
-                if (D - d0 < 16) break; /* the last 8 dims: below */
-                v8 a0[6], a1[6];
-                for (int i = 0; i < 6; i++) {
-                    a0[i] = k0 > 0 ? load8(orow[r0 + i] + d0) : splat(0);
-                    a1[i] = k0 > 0 ? load8(orow[r0 + i] + d0 + 8) : splat(0);
-                }
-                for (long j = 0; j < nk; j++) {
-                    const float *vr = page + j * row_stride + d0, *pj = p + j * Rp;
-                    v8 w0 = load8(vr), w1 = load8(vr + 8);
-                    for (int i = 0; i < 6; i++) {
-                        v8 b = splat(pj[i]);
-                        a0[i] += b * w0;
-                        a1[i] += b * w1;
-                    }
-                }
-                for (int i = 0; i < 6; i++) {
-                    store8(orow[r0 + i] + d0, a0[i]);
-                    store8(orow[r0 + i] + d0 + 8, a1[i]);
-                }
+#define VALUE_BLOCK(NB) value_block(s + k0 * Rp + r0, Rp, page, nk, row_stride, orow + r0, k0 == 0, d0, D - d0 >= 16 ? 2 : 1, NB)
+                SPECIALIZE(R - r0, VALUE_BLOCK)
+#undef VALUE_BLOCK
             }
-            if (D % 16) { /* D = 16 m + 8 */
-                long d0 = D - 8;
-                for (int i = 0; i < 6; i++) {
-                    v8 a = k0 > 0 ? load8(orow[r0 + i] + d0) : splat(0);
-                    for (long j = 0; j < nk; j++) a += splat(p[j * Rp + i]) * load8(page + j * row_stride + d0);
-                    store8(orow[r0 + i] + d0, a);
-                }
-            }
-        }
-        for (; r0 < R; r0 += RB) {
-            long nr = R - r0 < RB ? R - r0 : RB;
-            const float *in[RB]; /* the sums so far: none before the first page; rows past nr read zeros */
-            for (long i = 0; i < RB; i++) in[i] = k0 > 0 && i < nr ? orow[r0 + i] : ZERO_ROW;
-            const float *p = s + k0 * Rp + r0;
-            long o1 = nr > 1 ? 1 : 0, o2 = nr > 2 ? 2 : 0, o3 = nr > 3 ? 3 : 0; /* lanes past nr: lane 0 */
-            for (long d0 = 0; d0 < D; d0 += 16) {
-                int wide = D - d0 >= 16;
-                v8 a00 = load8(in[0] + d0), a10 = load8(in[1] + d0), a20 = load8(in[2] + d0), a30 = load8(in[3] + d0);
-                v8 a01 = splat(0), a11 = splat(0), a21 = splat(0), a31 = splat(0);
-                if (wide) {
-                    a01 = load8(in[0] + d0 + 8), a11 = load8(in[1] + d0 + 8);
-                    a21 = load8(in[2] + d0 + 8), a31 = load8(in[3] + d0 + 8);
-                    for (long j = 0; j < nk; j++) {
-                        const float *vr = page + j * row_stride + d0, *pj = p + j * Rp;
-                        v8 w0 = load8(vr), w1 = load8(vr + 8);
-                        v8 b0 = splat(pj[0]), b1 = splat(pj[o1]), b2 = splat(pj[o2]), b3 = splat(pj[o3]);
-                        a00 += b0 * w0; a01 += b0 * w1;
-                        a10 += b1 * w0; a11 += b1 * w1;
-                        a20 += b2 * w0; a21 += b2 * w1;
-                        a30 += b3 * w0; a31 += b3 * w1;
-                    }
-                } else {
-                    for (long j = 0; j < nk; j++) {
-                        const float *pj = p + j * Rp;
-                        v8 w0 = load8(page + j * row_stride + d0);
-                        a00 += splat(pj[0]) * w0;
-                        a10 += splat(pj[o1]) * w0;
-                        a20 += splat(pj[o2]) * w0;
-                        a30 += splat(pj[o3]) * w0;
-                    }
-                }
-                v8 lo[RB] = {a00, a10, a20, a30}, hi[RB] = {a01, a11, a21, a31};
-                for (long i = 0; i < nr; i++) {
-                    store8(orow[r0 + i] + d0, lo[i]);
-                    if (wide) store8(orow[r0 + i] + d0 + 8, hi[i]);
-                }
-            }
-        }
     }
     for (long r = 0; r < R; r++) {
         v8 f = splat(inv[r]);
