@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+logger = logging.getLogger("nanokv")
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -36,6 +39,7 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...]
     attention_backend: str
     tensor_parallel_size: int = 1
+    max_logprobs: int = 20
 
     @classmethod
     def create(
@@ -53,14 +57,17 @@ class EngineConfig:
         gpu_memory_utilization: float = 0.9,
         enable_prefix_caching: bool = True,
         enforce_eager: bool = False,
-        seed: int = 0,
+        seed: int | None = 0,
         attention_backend: str = "auto",
         tensor_parallel_size: int = 1,
+        max_logprobs: int = 20,
     ) -> "EngineConfig":
+        from nanokv.layers.activation import check_activation
         from nanokv.models import resolve_architecture
 
         hf_config = load_hf_config(model)
         architecture = resolve_architecture(hf_config)
+        check_activation(hf_config)
         dev = _resolve_device(device)
         torch_dtype = _resolve_dtype(dtype, hf_config, dev)
 
@@ -81,6 +88,10 @@ class EngineConfig:
             _check_int("num_kvcache_blocks", num_kvcache_blocks, 1)
         if kv_cache_memory_bytes is not None:
             _check_int("kv_cache_memory_bytes", kv_cache_memory_bytes, 1)
+        if seed is None:  # vLLM's meaning: not reproducible from run to run
+            seed = int.from_bytes(os.urandom(8), "little") >> 1
+        _check_int("seed", seed, -(2**63))
+        _check_int("max_logprobs", max_logprobs, 0)
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
 
@@ -97,7 +108,7 @@ class EngineConfig:
             gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=bool(enable_prefix_caching), enforce_eager=bool(enforce_eager),
             seed=int(seed), eos_token_ids=tuple(_eos_token_ids(model, hf_config)),
-            attention_backend=backend, tensor_parallel_size=tensor_parallel_size,
+            attention_backend=backend, tensor_parallel_size=tensor_parallel_size, max_logprobs=max_logprobs,
         )
 
 
@@ -175,17 +186,30 @@ def _resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device) ->
 
 def _eos_token_ids(model: str, hf_config) -> list[int]:
     """EOS ids from config.json and generation_config.json, united (Llama 3 instruct lists
-    several there)."""
+    several there). Ids outside the vocabulary can never be generated: they are dropped
+    with a warning."""
     ids: list[int] = []
 
     def add(value) -> None:
         for v in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(v, int) and v not in ids:
+            if isinstance(v, int) and not isinstance(v, bool) and v not in ids:
                 ids.append(v)
 
     add(getattr(hf_config, "eos_token_id", None))
     path = os.path.join(model, "generation_config.json")
     if os.path.isfile(path):
-        with open(path) as f:
-            add(json.load(f).get("eos_token_id"))
-    return ids
+        try:
+            with open(path, "rb") as f:
+                generation = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read {path}: {e}; fix or remove the file") from None
+        if not isinstance(generation, dict):
+            raise ValueError(f"{path} must hold a JSON object, got {type(generation).__name__}; "
+                             "fix or remove the file")
+        add(generation.get("eos_token_id"))
+    vocab = hf_config.vocab_size
+    outside = [i for i in ids if not 0 <= i < vocab]
+    if outside:
+        logger.warning("%s: EOS token ids %s are outside the vocabulary [0, %d) and are ignored",
+                       model, outside, vocab)
+    return [i for i in ids if 0 <= i < vocab]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from collections.abc import Iterator, Sequence as Seq
 
@@ -11,7 +12,7 @@ from tqdm.auto import tqdm
 
 from nanokv.config import EngineConfig
 from nanokv.engine.stats import KVStats
-from nanokv.llm_engine import LLMEngine, PromptType
+from nanokv.llm_engine import LLMEngine, PromptType, check_text
 from nanokv.outputs import RequestOutput
 from nanokv.sampling_params import SamplingParams
 
@@ -40,9 +41,10 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         enable_prefix_caching: bool = True,
         enforce_eager: bool = False,
-        seed: int = 0,
+        seed: int | None = 0,
         attention_backend: str = "auto",
         tensor_parallel_size: int = 1,
+        max_logprobs: int = 20,
     ):
         config = EngineConfig.create(
             model, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -51,7 +53,8 @@ class LLM:
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
-            attention_backend=attention_backend, tensor_parallel_size=tensor_parallel_size)
+            attention_backend=attention_backend, tensor_parallel_size=tensor_parallel_size,
+            max_logprobs=max_logprobs)
         self.llm_engine = LLMEngine(config)
 
     def get_tokenizer(self):
@@ -59,29 +62,40 @@ class LLM:
 
     def close(self) -> None:
         """Stop tensor-parallel worker processes now (they also stop when the LLM is
-        garbage collected or the program exits)."""
-        self.llm_engine.runner.close()
+        garbage collected or the program exits). Later calls raise RuntimeError."""
+        self.llm_engine.close()
 
     def kv_stats(self) -> KVStats:
         """KV pool use, fragmentation, prefix-cache hits and preemptions so far."""
         return self.llm_engine.kv_stats()
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield the text of one request piece by piece as tokens arrive."""
+        """Yield the text of one request piece by piece as tokens arrive (n must be 1:
+        for several samples use generate(), or the step API with stream=True, whose
+        deltas carry each sample's index)."""
+        if isinstance(sampling_params, SamplingParams) and sampling_params.n > 1:
+            raise ValueError(f"stream() yields one sample's text, but n={sampling_params.n}; use n=1, "
+                             "or llm_engine.add_request(..., stream=True), whose deltas name each sample")
         engine = self.llm_engine
-        request_id = engine.add_request(prompt, sampling_params, stream=True)
+        req = engine.make_request(prompt, sampling_params, stream=True)
+        sink: list[RequestOutput] = []
+        engine.enqueue(req, sink)
         done = False
         try:
             while not done:
-                for out in engine.step():
-                    if out.request_id == request_id:
-                        done = out.finished
-                        for completion in out.outputs:
-                            if completion.text:
-                                yield completion.text
+                if not sink:
+                    engine.advance()
+                    continue
+                out = sink.pop(0)
+                done = out.finished
+                if out.error is not None:
+                    raise RuntimeError(f"request failed: {out.error}")
+                for completion in out.outputs:
+                    if completion.text:
+                        yield completion.text
         finally:
-            if not done:  # the caller stopped early
-                engine.abort(request_id)
+            if not done:  # the caller stopped early, or an interrupt
+                engine.abort(req.request_id)
 
     def generate(
         self,
@@ -94,15 +108,11 @@ class LLM:
         prompts: a str, a list of str, a list of token ids, or a list of lists of token
         ids (dicts with "prompt" or "prompt_token_ids" also work). Every request is
         validated before any work starts: one bad prompt raises ValueError and nothing runs.
+        A request that fails inside a step comes back with finish_reason "error" and its
+        reason in RequestOutput.error; the others run to the end.
         """
         prompts = _as_prompt_list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts; "
-                                 "pass one SamplingParams or one per prompt")
+        params = _as_params_list(sampling_params, len(prompts))
         engine = self.llm_engine
         requests = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -112,14 +122,18 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
         order = {req.request_id: i for i, req in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)
-        for req in requests:
-            engine.enqueue(req)
+        sink: list[RequestOutput] = []
         try:
-            self._run(results, order, use_tqdm)
-        finally:  # interrupted: leave the engine clean for the next call
             for req in requests:
-                if results[order[req.request_id]] is None:
-                    engine.abort(req.request_id)
+                engine.enqueue(req, sink)
+            self._run(results, order, sink, use_tqdm)
+        finally:  # interrupted: leave the engine clean for the next call
+            _abort_all(engine, [req.request_id for req in requests
+                                if results[order[req.request_id]] is None])
+        failed = [out for out in results if out.error is not None]
+        if failed:
+            logger.warning("%d of %d requests failed in the engine (finish_reason 'error'); first: %s",
+                           len(failed), len(results), failed[0].error)
         logger.info(engine.kv_stats().summary())
         return results
 
@@ -134,23 +148,31 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or
         to a list of them, rendered with the tokenizer's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = _as_conversations(messages)
         tokenizer = self.get_tokenizer()
-        prompts = [render_chat(tokenizer, conv, chat_template, add_generation_prompt) for conv in conversations]
+        prompts = []
+        for i, conv in enumerate(conversations):
+            try:
+                prompts.append(render_chat(tokenizer, conv, chat_template, add_generation_prompt))
+            except ValueError as e:
+                raise ValueError(f"conversation {i}: {e}" if len(conversations) > 1 else str(e)) from None
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, results, order, use_tqdm: bool) -> None:
+    def _run(self, results, order, sink: list[RequestOutput], use_tqdm: bool) -> None:
         engine = self.llm_engine
         bar = tqdm(total=len(results), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         prefill_rate = decode_rate = 0.0
         last_postfix = 0.0
+        remaining = len(results)
         try:
-            while engine.has_unfinished():
-                for out in engine.step():
-                    i = order.get(out.request_id)
-                    if i is not None and out.finished:  # others were added through the engine
-                        results[i] = out
+            while remaining:
+                engine.advance()
+                for out in sink:
+                    if out.finished:
+                        results[order[out.request_id]] = out
+                        remaining -= 1
                         bar.update(1)
+                sink.clear()
                 s = engine.last_step
                 if s.seconds > 0:
                     if s.prefill_tokens:
@@ -170,19 +192,81 @@ class LLM:
 def render_chat(tokenizer, conversation: list[dict], chat_template: str | None = None,
                 add_generation_prompt: bool = True) -> dict:
     """One conversation -> {"prompt": text, "prompt_token_ids": ids} via the chat template."""
+    check_messages(conversation)
     try:
         text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
                                              add_generation_prompt=add_generation_prompt)
     except Exception as e:  # no template, malformed messages
         raise ValueError(f"cannot apply the chat template: {e}") from e
+    check_text(text, "the rendered conversation")
     # the template already holds the special tokens: add none
     return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+
+
+def check_messages(conversation) -> None:
+    """ValueError unless conversation is a non-empty list of {"role": str, "content": ...}."""
+    fix = 'pass a list of {"role": ..., "content": ...} dicts, e.g. [{"role": "user", "content": "Hi"}]'
+    if not isinstance(conversation, (list, tuple)) or not conversation:
+        raise ValueError(f"a conversation must be a non-empty list of messages; {fix}")
+    for i, m in enumerate(conversation):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise ValueError(f"message {i} is {m!r}; {fix}")
+        content = m["content"]
+        if isinstance(content, str):
+            check_text(content, f"message {i}'s content")
+        elif content is not None and not isinstance(content, list):
+            raise ValueError(f"message {i}'s content must be a string, got {type(content).__name__}")
+
+
+def _as_conversations(messages) -> list:
+    """chat()'s argument: one conversation (a list of message dicts) or a list of them."""
+    if isinstance(messages, str):
+        raise ValueError('chat() takes messages, not a string: use chat([{"role": "user", "content": '
+                         '"..."}]), or generate() for plain text')
+    if isinstance(messages, dict):
+        raise ValueError('chat() takes a list of messages, got one dict: wrap it in a list, '
+                         '[{"role": ..., "content": ...}]')
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError('chat() takes a non-empty list of {"role", "content"} messages, or a list of '
+                         f"such lists; got {messages!r}")
+    if all(isinstance(m, dict) for m in messages):
+        return [messages]
+    return list(messages)
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+    try:
+        prompts = list(prompts)
+    except TypeError:
+        raise ValueError("prompts must be a str, a list of str, a list of token ids, a list of such lists, "
+                         f"or dicts with 'prompt' / 'prompt_token_ids'; got {type(prompts).__name__}") from None
+    if prompts and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompts):
         return [prompts]  # one prompt given as token ids
     return prompts
+
+
+def _as_params_list(sampling_params, n: int) -> list[SamplingParams | None]:
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    if isinstance(sampling_params, dict):
+        raise ValueError("sampling_params must be a SamplingParams, got a dict: use "
+                         "SamplingParams(**{...})")
+    if not isinstance(sampling_params, (list, tuple)):
+        raise ValueError("sampling_params must be a SamplingParams or a list of them, got "
+                         f"{type(sampling_params).__name__}")
+    params = list(sampling_params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling_params for {n} prompts; "
+                         "pass one SamplingParams or one per prompt")
+    return params
+
+
+def _abort_all(engine: LLMEngine, request_ids: list[str]) -> None:
+    """Abort every request, going on past one that fails (the first error is logged)."""
+    for request_id in request_ids:
+        try:
+            engine.abort(request_id)
+        except Exception:  # noqa: BLE001 - cleanup must reach every request
+            logger.exception("aborting request %s failed", request_id)

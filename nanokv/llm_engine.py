@@ -6,8 +6,15 @@ logprob formatting, and grouping a request's n samples into one RequestOutput.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
+import operator
+import os
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from nanokv.config import EngineConfig
@@ -16,10 +23,13 @@ from nanokv.engine.block_manager import BlockManager
 from nanokv.engine.scheduler import Scheduler, SchedulerConfig
 from nanokv.engine.sequence import Sequence
 from nanokv.engine.stats import KVStats
+from nanokv.engine.types import EngineDeadError, ScheduledBatch, StepOutput
 from nanokv.outputs import CompletionOutput, Logprob, RequestOutput
 from nanokv.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
+
+logger = logging.getLogger("nanokv")
 
 
 @dataclass
@@ -41,6 +51,7 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: bool
+    sink: list | None = None  # where its outputs go (LLM.generate/stream); None: step() returns them
     seqs: list[Sequence] = field(default_factory=list)
     text: list[_TextState | None] = field(default_factory=list)
     num_finished: int = 0
@@ -75,19 +86,27 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._watched: dict[int, tuple[_Request, int]] = {}  # seq id -> samples with _TextState
         self._ids = itertools.count()
+        self._unclaimed: list[RequestOutput] = []  # outputs for step(), produced while others stepped
+        self._closed: str | None = None  # why the engine no longer runs (closed, or a dead worker)
         self.last_step = StepStats()
 
     # ---- requests ---------------------------------------------------------------------
     def make_request(self, prompt: PromptType, params: SamplingParams | None = None,
                      request_id: str | None = None, *, stream: bool = False) -> _Request:
         """Validate and tokenize one request without queueing it (ValueError on bad input)."""
+        self._check_open()
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}; "
+                             "build one with SamplingParams(...)")
+        # A validated copy: fields set after construction are checked too, and later
+        # changes to the caller's object cannot reach a running request.
+        params = dataclasses.replace(params)
+        self._check_params(params)
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt is empty; give at least one token")
-        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         max_len = self.config.max_model_len
@@ -112,6 +131,19 @@ class LLMEngine:
                             if watched else None)
         return req
 
+    def _check_params(self, params: SamplingParams) -> None:
+        """The bounds that depend on the model (SamplingParams checks the rest itself)."""
+        vocab, most = self.vocab_size, self.config.max_logprobs
+        if params.logprobs is not None and params.logprobs > min(most, vocab):
+            raise ValueError(f"logprobs={params.logprobs} is more than the {min(most, vocab)} allowed "
+                             f"(max_logprobs={most}, vocabulary {vocab}); ask for fewer or raise max_logprobs")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k={params.top_k} exceeds the vocabulary size {vocab}; "
+                             f"use -1 (off) or a value in [1, {vocab}]")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, *, stream: bool = False) -> str:
         """Queue a request; returns its id. ValueError on bad input (nothing is queued).
@@ -125,9 +157,17 @@ class LLMEngine:
         self.enqueue(req)
         return req.request_id
 
-    def enqueue(self, req: _Request) -> None:
+    def enqueue(self, req: _Request, sink: list | None = None) -> None:
         """Queue a request made (and validated) by make_request. The n samples of a
-        request share the prompt's blocks: the first computes them, the others hit."""
+        request share the prompt's blocks: the first computes them, the others hit.
+
+        sink: a list that receives the request's outputs whoever steps the engine
+        (LLM.generate and LLM.stream own their requests this way); without one, step()
+        returns them."""
+        self._check_open()
+        if req.request_id in self._requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use; pick a unique id")
+        req.sink = sink
         self._requests[req.request_id] = req
         for seq, state in zip(req.seqs, req.text):
             if state is not None:
@@ -137,19 +177,25 @@ class LLMEngine:
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                text = prompt.get("prompt")
+                return (text if isinstance(text, str) else None), _token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
                 raise ValueError("a dict prompt needs a 'prompt' or 'prompt_token_ids' key")
         if isinstance(prompt, str):
+            check_text(prompt, "prompt")
             return prompt, list(self.tokenizer(prompt).input_ids)
+        if hasattr(prompt, "tolist") and getattr(prompt, "ndim", None) == 1:  # numpy / torch ids
+            prompt = prompt.tolist()
         if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
-        raise ValueError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
+            return None, _token_ids(prompt)
+        raise ValueError(f"a prompt is a str, a list of token ids or a dict with 'prompt' or "
+                         f"'prompt_token_ids', got {type(prompt).__name__}")
 
     def abort(self, request_id: str) -> None:
-        """Drop a request; its KV blocks are free at once. Unknown ids are ignored."""
+        """Drop a request; its KV blocks are free at once. Unknown ids are ignored. Safe at
+        any point, also when an interrupt cut a step short."""
         req = self._requests.pop(str(request_id), None)
         if req is None:
             return
@@ -163,17 +209,82 @@ class LLMEngine:
     def kv_stats(self) -> KVStats:
         return self.scheduler.kv_stats()
 
+    def close(self) -> None:
+        """Stop the executor (tensor-parallel workers); later calls raise RuntimeError."""
+        if self._closed is None:
+            self._closed = "this LLM is closed; create a new LLM"
+        self.runner.close()
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise EngineDeadError(self._closed)
+
     # ---- stepping ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batch. Returns the requests that finished in it and, for streaming
-        requests, their new deltas."""
+        """Run one batch. Returns the requests added through add_request that finished
+        (also those that finished while LLM.generate or LLM.stream stepped the engine) and,
+        for streaming ones, their new deltas."""
+        self.advance()
+        outputs, self._unclaimed = self._unclaimed, []
+        return outputs
+
+    def advance(self) -> None:
+        """Run one batch. Each request's outputs go to its sink, or wait for step()."""
+        self._check_open()
         start = time.perf_counter()
-        batch = self.scheduler.schedule()
+        with _sigint_deferred():  # the bookkeeping below must not stop halfway
+            batch = self.scheduler.schedule()
         if not batch.seqs:
             self.last_step = StepStats()
-            return []
-        output = self.runner.execute(batch)
-        finished = self.scheduler.update(batch, output)
+            return
+        batch, output, failed = self._execute(batch)
+        with _sigint_deferred():
+            self._apply(batch, output, failed)
+        decodes = sum(1 for s in batch.seqs if len(s.token_ids) == 1 and s.num_generated > 0)
+        self.last_step = StepStats(batch.num_tokens - decodes, decodes, time.perf_counter() - start)
+
+    def _execute(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, StepOutput, dict[str, str]]:
+        """Run the batch; when it fails, run its sequences one by one so that a request
+        that fails fails alone. Returns the batch that ran, its output, and the requests
+        that failed (id -> reason). Rerunning is safe: a step writes K/V only for its own
+        tokens, at the same slots, with the same values."""
+        try:
+            return batch, self._run(batch), {}
+        except EngineDeadError:
+            raise
+        except Exception:  # noqa: BLE001 - whatever one request triggers must not stop the others
+            logger.exception("a step of %d sequences failed; running them one by one", len(batch.seqs))
+        results, failed = [], {}
+        owner = {s.seq_id: s.request_id for s in self.scheduler.running}
+        for item in batch.seqs:
+            try:
+                results.append((item, self._run(ScheduledBatch([item], len(item.token_ids)))))
+            except EngineDeadError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                logger.exception("request %s failed in a step", owner[item.seq_id])
+                failed.setdefault(owner[item.seq_id], f"the request failed in the engine: {type(e).__name__}: {e}")
+        kept, output = ScheduledBatch(), StepOutput()
+        logprobs: list = []
+        for item, out in results:
+            if owner[item.seq_id] in failed:  # a sibling sample failed: the request ends
+                continue
+            kept.seqs.append(item)
+            kept.num_tokens += len(item.token_ids)
+            output.sampled_token_ids += out.sampled_token_ids
+            logprobs += out.logprobs or [None] * len(out.sampled_token_ids)
+        output.logprobs = logprobs if any(lp is not None for lp in logprobs) else None
+        return kept, output, failed
+
+    def _run(self, batch: ScheduledBatch) -> StepOutput:
+        try:
+            return self.runner.execute(batch)
+        except EngineDeadError as e:
+            self._closed = str(e)
+            raise
+
+    def _apply(self, batch: ScheduledBatch, output: StepOutput, failed: dict[str, str]) -> None:
+        finished = self.scheduler.update(batch, output) if batch.seqs else []
         touched: dict[str, _Request] = {}
         if self._watched:
             finished += self._update_text(batch, touched)
@@ -182,17 +293,30 @@ class LLMEngine:
             req.num_finished += 1
             self._watched.pop(seq.seq_id, None)
             touched[req.request_id] = req
-        outputs = []
         for req in touched.values():
             if req.stream:
-                outputs.append(self._delta_output(req))
+                self._emit(req, self._delta_output(req))
             elif req.finished:
-                outputs.append(self._final_output(req))
+                self._emit(req, self._final_output(req))
             if req.finished:
                 del self._requests[req.request_id]
-        decodes = sum(1 for s in batch.seqs if len(s.token_ids) == 1 and s.num_generated > 0)
-        self.last_step = StepStats(batch.num_tokens - decodes, decodes, time.perf_counter() - start)
-        return outputs
+        for request_id, reason in failed.items():
+            self._fail(self._requests[request_id], reason)
+
+    def _fail(self, req: _Request, reason: str) -> None:
+        """End a request that failed in a step: its samples finish with "error"."""
+        for seq in req.seqs:
+            self._watched.pop(seq.seq_id, None)
+            if not seq.is_finished:
+                self.scheduler.abort(seq, reason="error")
+                req.num_finished += 1
+        out = self._delta_output(req) if req.stream else self._final_output(req)
+        out.error = reason
+        del self._requests[req.request_id]
+        self._emit(req, out)
+
+    def _emit(self, req: _Request, out: RequestOutput) -> None:
+        (req.sink if req.sink is not None else self._unclaimed).append(out)
 
     def _update_text(self, batch, touched: dict[str, _Request]) -> list[Sequence]:
         """Detokenize new tokens of watched samples; stop those whose text hit a stop string."""
@@ -283,10 +407,64 @@ def _find_stop(text: str, num_new: int, stops: list[str]) -> tuple[int, str] | N
     return best
 
 
+def check_text(text: str, what: str) -> None:
+    """ValueError unless text is valid Unicode (a lone surrogate from a JSON escape is not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid text: {text[e.start:e.end]!r} at character {e.start} is a "
+                         "lone surrogate; send valid UTF-8 text or token ids") from None
+
+
+def _token_ids(values) -> list[int]:
+    """A prompt's token ids as ints (numpy and torch integer scalars are fine)."""
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"prompt_token_ids must be a list of ints, got {type(values).__name__}")
+    ids = []
+    for i, t in enumerate(values):
+        if isinstance(t, bool) or isinstance(t, float):
+            raise ValueError(f"prompt token ids must be ints; item {i} is {t!r} ({type(t).__name__})")
+        try:
+            ids.append(operator.index(t))
+        except TypeError:
+            raise ValueError(f"prompt token ids must be ints; item {i} is {t!r} ({type(t).__name__})") from None
+    return ids
+
+
+@contextmanager
+def _sigint_deferred():
+    """Hold Ctrl-C back until the block ends, so the scheduler's bookkeeping is never left
+    half done; then raise it. Only in the main thread, and only over Python's own handler."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    received = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if received:
+        raise KeyboardInterrupt
+
+
+# Files that hold a tokenizer's vocabulary (tokenizer_config.json alone holds none).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                    "sentencepiece.bpe.model", "tekken.json")
+
+
 def load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
+    if os.path.isdir(model) and not any(os.path.isfile(os.path.join(model, f)) for f in _TOKENIZER_FILES):
+        raise ValueError(f"{model} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])} or similar); "
+                         "copy them from the original model repository into the directory")
     try:
-        return AutoTokenizer.from_pretrained(model)
+        tokenizer = AutoTokenizer.from_pretrained(model)
     except Exception as e:
         raise ValueError(f"cannot load a tokenizer from {model}: {e}") from e
+    if len(tokenizer) < 2:
+        raise ValueError(f"the tokenizer in {model} has {len(tokenizer)} tokens; its files are incomplete: "
+                         "copy them from the original model repository")
+    return tokenizer

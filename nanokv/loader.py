@@ -50,26 +50,37 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     loaded: set[tuple[str, str | None]] = set()
     unexpected: list[str] = []
     for path in weight_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for ckpt_name in f.keys():
-                if ckpt_name.endswith(_IGNORED_SUFFIXES) or (tied and ckpt_name == "lm_head.weight"):
-                    continue
-                name, shard = _map_name(ckpt_name, packed)
-                param = params.get(name)
-                if param is None or (name, shard) not in expected:
-                    unexpected.append(ckpt_name)
-                    continue
-                if (name, shard) in loaded:
-                    raise ValueError(f"checkpoint tensor {ckpt_name} appears twice in {model_dir}")
-                loader = getattr(param, "weight_loader", default_weight_loader)
-                loader(param, f.get_slice(ckpt_name), shard)  # lazy: a rank reads its part only
-                loaded.add((name, shard))
+        try:
+            _load_file(path, model_dir, params, expected, tied, packed, loaded, unexpected)
+        except ValueError:
+            raise
+        except Exception as e:  # a truncated or corrupt file: name it
+            raise ValueError(f"cannot read {path}: {type(e).__name__}: {e}; the file is truncated or "
+                             "corrupt, download or convert it again") from e
     if unexpected:
         raise ValueError(f"unexpected tensors in {model_dir} for {type(model).__name__}: "
                          f"{sorted(unexpected)[:20]}")
     missing = sorted(_ckpt_name(name, shard) for name, shard in expected - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} is missing tensors: {missing[:20]}")
+
+
+def _load_file(path: str, model_dir: str, params, expected, tied: bool, packed, loaded, unexpected) -> None:
+    """Fill the parameters one safetensors file holds."""
+    with safe_open(path, framework="pt", device="cpu") as f:
+        for ckpt_name in f.keys():
+            if ckpt_name.endswith(_IGNORED_SUFFIXES) or (tied and ckpt_name == "lm_head.weight"):
+                continue
+            name, shard = _map_name(ckpt_name, packed)
+            param = params.get(name)
+            if param is None or (name, shard) not in expected:
+                unexpected.append(ckpt_name)
+                continue
+            if (name, shard) in loaded:
+                raise ValueError(f"checkpoint tensor {ckpt_name} appears twice in {model_dir}")
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, f.get_slice(ckpt_name), shard)  # lazy: a rank reads its part only
+            loaded.add((name, shard))
 
 
 def _map_name(ckpt_name: str, packed: dict[str, str]) -> tuple[str, str | None]:

@@ -19,7 +19,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None  # per generated token: top-N + sampled
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None
 
     def finished(self) -> bool:
@@ -34,3 +34,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     prompt_logprobs: None = None  # not computed by nanokv (kept for vLLM compatibility)
+    error: str | None = None  # why the request failed in a step (its samples end with "error")

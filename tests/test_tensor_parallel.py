@@ -54,6 +54,27 @@ def test_bad_tensor_parallel_sizes(checkpoint):
         LLM(odd_vocab, tensor_parallel_size=2)
 
 
+def test_a_second_tp_llm_is_refused_and_the_first_keeps_working(checkpoint):
+    model_dir = checkpoint("qwen3-tiny")
+    first = LLM(model_dir, tensor_parallel_size=2)
+    try:
+        expected = generate(first)
+        with pytest.raises(ValueError, match="close"):
+            LLM(model_dir, tensor_parallel_size=2)
+        assert generate(first) == expected
+    finally:
+        first.close()
+    with pytest.raises(RuntimeError, match="this LLM is closed"):
+        generate(first)
+    with pytest.raises(RuntimeError, match="this LLM is closed"):
+        first.llm_engine.step()
+    again = LLM(model_dir, tensor_parallel_size=2)  # closing freed the group for a new one
+    try:
+        assert generate(again) == expected
+    finally:
+        again.close()
+
+
 def test_killed_worker_makes_generate_raise_promptly(checkpoint):
     model_dir = checkpoint("qwen3-tiny")
     llm = LLM(model_dir, tensor_parallel_size=2)
@@ -77,10 +98,13 @@ def test_worker_killed_during_a_step_does_not_hang(checkpoint):
     engine.add_request(list(range(4, 200)), SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
     engine.step()
     start = time.monotonic()
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError, match="worker.*rank 1 .killed by SIGKILL.*create a new LLM") as info:
         for i in range(1000):
             if i == 3:
                 os.kill(worker.pid, signal.SIGKILL)
             engine.step()
+    assert "Connection" not in str(info.value).split(";")[0]  # not gloo's words: ours
     assert time.monotonic() - start < 60
+    with pytest.raises(RuntimeError, match="create a new LLM"):  # and it stays refused
+        engine.step()
     llm.close()

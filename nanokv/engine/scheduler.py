@@ -187,13 +187,19 @@ class Scheduler:
         self.running.remove(seq)
         self._finish(seq)
 
-    def abort(self, seq: Sequence) -> None:
-        """Drop a sequence wherever it is; its blocks are freed at once."""
-        if seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-        elif seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        else:
+    def abort(self, seq: Sequence, reason: str = "abort") -> None:
+        """Drop a sequence wherever it is; its blocks are freed at once. Safe whatever
+        state the sequence is in (an interrupt may have cut admission short)."""
+        if seq.status is SequenceStatus.FINISHED:
             return
-        seq.finish_reason = "abort"
+        _discard(self.waiting, seq)
+        _discard(self.running, seq)
+        seq.finish_reason = reason
         self._finish(seq)
+
+
+def _discard(queue, seq: Sequence) -> None:
+    try:
+        queue.remove(seq)
+    except ValueError:  # not there
+        pass

@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 from nanokv.sampling_params import SamplingParams
 
 
+class EngineDeadError(RuntimeError):
+    """The engine cannot run any more (closed, or a tensor-parallel worker died): every
+    request fails, not one. Raised by the runner; the engine then refuses further work."""
+
+
 @dataclass
 class ScheduledSeq:
     """One sequence's share of a step.

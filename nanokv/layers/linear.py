@@ -107,14 +107,22 @@ class PackedLinear(Linear):
 
 
 class GateUpLinear(PackedLinear):
-    """The fused [gate | up] projection of a gated MLP. With the CPU kernels, silu_and_mul()
-    applies SiLU(gate) * up inside the GEMM (gate and up rows packed side by side), so the
-    [T, 2I] intermediate is never materialised."""
+    """The fused [gate | up] projection of a gated MLP. With the CPU kernels and a SiLU
+    model (fuse_silu), silu_and_mul() applies SiLU(gate) * up inside the GEMM (gate and up
+    rows packed side by side), so the [T, 2I] intermediate is never materialised; other
+    activations get the plain [T, 2I] product."""
 
-    def __init__(self, in_features: int, intermediate_per_rank: tuple[int, int, int], bias: bool = False):
+    fused_silu = False  # the CPU kernels apply SiLU(gate) * up (silu_and_mul)
+
+    def __init__(self, in_features: int, intermediate_per_rank: tuple[int, int, int], bias: bool = False,
+                 fuse_silu: bool = True):
         super().__init__(in_features, {"gate_proj": intermediate_per_rank, "up_proj": intermediate_per_rank}, bias)
+        self.fuse_silu = fuse_silu
 
     def use_cpu_kernels(self) -> None:
+        if not self.fuse_silu:
+            return super().use_cpu_kernels()
+        self.fused_silu = True
         i = self.output_sizes[0]
         w = self.weight.data
         self.packed = kernels.pack_gate_up(w[:i], w[i:])

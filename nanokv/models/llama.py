@@ -12,7 +12,7 @@ from torch import nn
 from nanokv import kernels
 from nanokv.attention.base import AttentionMetadata
 from nanokv.distributed import TP
-from nanokv.layers.activation import SiluAndMul
+from nanokv.layers.activation import SILU_NAMES, check_activation, gated_activation
 from nanokv.layers.attention import Attention
 from nanokv.layers.embedding import LMHead, VocabParallelEmbedding
 from nanokv.layers.linear import GateUpLinear, PackedLinear, RowParallelLinear
@@ -67,15 +67,16 @@ class DecoderAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, tp: TP, bias: bool):
+    def __init__(self, hidden: int, intermediate: int, tp: TP, bias: bool, act: str = "silu"):
         super().__init__()
         start, per_rank = tp.split(intermediate)
-        self.gate_up_proj = GateUpLinear(hidden, (intermediate, start, per_rank), bias=bias)
+        self.gate_up_proj = GateUpLinear(hidden, (intermediate, start, per_rank), bias=bias,
+                                         fuse_silu=act in SILU_NAMES)
         self.down_proj = RowParallelLinear(intermediate, hidden, tp, bias=bias)
-        self.act = SiluAndMul()
+        self.act = gated_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj.packed is not None:  # CPU kernels: the activation runs in the GEMM
+        if self.gate_up_proj.fused_silu:  # CPU kernels: SiLU runs in the GEMM
             return self.down_proj(self.gate_up_proj.silu_and_mul(x))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
@@ -86,7 +87,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DecoderAttention(cfg, tp, qkv_bias, o_bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp, mlp_bias)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp, mlp_bias, check_activation(cfg))
 
     def forward(self, rope, x, residual, meta, keep=None):
         """(x, residual) -> (mlp output, residual): each residual add is fused into the
@@ -113,13 +114,14 @@ class DecoderModel(nn.Module):
             DecoderLayer(cfg, tp, qkv_bias, o_bias, qk_norm, mlp_bias)
             for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.single_rank = tp.size == 1
+        # one C call per layer: one rank, and SiLU (the activation the C layer applies)
+        self.can_fuse = tp.size == 1 and check_activation(cfg) in SILU_NAMES
         self.fused = None  # FusedCpuLayers, once the CPU kernels are on (one rank only)
         self._fuse = False
 
     def use_cpu_kernels(self) -> None:
         # built at first use: the layers pack their weights after this runs
-        self._fuse = self.single_rank
+        self._fuse = self.can_fuse
 
     def forward(self, input_ids, positions, meta, keep=None):
         """[T] token ids -> final hidden states [T, hidden], or of the rows keep lists (in its

@@ -14,7 +14,7 @@ from nanokv import distributed as tpd
 from nanokv.attention import AttentionMetadata, get_backend
 from nanokv.config import EngineConfig
 from nanokv.distributed import TP
-from nanokv.engine.types import ScheduledBatch, ScheduledSeq, StepOutput, TokenLogprobs
+from nanokv.engine.types import EngineDeadError, ScheduledBatch, ScheduledSeq, StepOutput, TokenLogprobs
 from nanokv.layers.attention import Attention
 from nanokv.layers.sampler import Sampler, SamplerOutput, SamplingTensors, seed_for_token
 from nanokv.loader import build_model
@@ -38,6 +38,7 @@ class ModelRunner:
             self.device = torch.device("cuda", self.tp.rank)
             torch.cuda.set_device(self.device)
         self.workers = []
+        self.closed = False
         if self.tp.size > 1:
             self._start_group(init_method)
         hf = config.hf_config
@@ -76,6 +77,10 @@ class ModelRunner:
 
     # ---- tensor parallelism ---------------------------------------------------------------
     def _start_group(self, init_method: str | None) -> None:
+        if self.tp.rank == 0 and dist.is_initialized():
+            raise ValueError("another tensor-parallel LLM (or torch.distributed group) already exists in this "
+                             "process and owns the default process group; call close() on that LLM first, "
+                             "or use tensor_parallel_size=1")
         if self.tp.rank == 0:
             import multiprocessing as mp
             import weakref
@@ -106,14 +111,17 @@ class ModelRunner:
                 raise RuntimeError(f"tensor-parallel worker {rank} failed to start: {status}")
 
     def check_workers(self) -> None:
+        if self.closed:
+            raise EngineDeadError("this LLM is closed; create a new LLM")
         dead = [(i + 1, p.exitcode) for i, p in enumerate(self.workers) if not p.is_alive()]
         if dead:
             self.close()
-            raise RuntimeError(f"tensor-parallel worker(s) died: {', '.join(f'rank {r} (exit code {c})' for r, c in dead)}"
-                               "; the engine cannot continue, create a new LLM")
+            raise EngineDeadError(f"tensor-parallel worker(s) died: {', '.join(_describe_exit(r, c) for r, c in dead)}"
+                                  "; the engine cannot continue, create a new LLM")
 
     def close(self) -> None:
         """Stop the worker ranks (rank 0 only; idempotent)."""
+        self.closed = True
         if self.workers and getattr(self, "_finalizer", None) is not None:
             self._finalizer()
 
@@ -193,11 +201,38 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         input_ids, positions, meta, logits_rows = self._prepare(batch)
-        if self.tp.size > 1:
-            self.check_workers()
+        if self.tp.size == 1:
+            logits = self._forward(input_ids, positions, meta, logits_rows)
+        else:
+            logits = self._forward_tp(input_ids, positions, meta, logits_rows)
+        if logits is None:
+            return StepOutput()
+        rows = [s for s in batch.seqs if s.sample]
+        out = self.sampler(logits, self._sampling_tensors(rows, logits.shape[-1]), self.generator)
+        return StepOutput(out.tokens.tolist(), _logprobs(rows, out))
+
+    def _forward_tp(self, input_ids, positions, meta, logits_rows) -> torch.Tensor | None:
+        """The step on every rank: broadcast, forward with its all-reduces, logits gathered.
+        A collective that breaks means a worker died: the engine cannot go on."""
+        self.check_workers()
+        try:
             tpd.broadcast_step(*tpd.pack_step(input_ids, positions, meta.slot_mapping, meta.query_start_loc,
                                               meta.seq_lens, meta.block_tables, logits_rows,
                                               meta.num_decodes, self.device))
+            logits = self._forward(input_ids, positions, meta, logits_rows)
+            return None if logits is None else self._gather_logits(logits)  # [N, vocab]
+        except RuntimeError as e:
+            deadline = time.monotonic() + 2  # let the dead worker's exit be seen
+            while time.monotonic() < deadline and all(p.is_alive() for p in self.workers):
+                time.sleep(0.05)
+            self.check_workers()
+            self.close()
+            raise EngineDeadError(f"a tensor-parallel step failed ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''}); the engine cannot continue, "
+                                  "create a new LLM") from e
+
+    def _forward(self, input_ids, positions, meta, logits_rows) -> torch.Tensor | None:
+        """This rank's forward: logits of the sampling rows [N, vocab / tp], or None."""
         graphed = (self.graphs is not None and meta.num_decodes == meta.num_seqs
                    and self.graphs.bucket_for(meta.num_seqs) is not None)
         if not graphed:
@@ -212,16 +247,10 @@ class ModelRunner:
         else:  # only the rows that sample: [N, hidden]
             hidden = self.model(input_ids, positions, meta, _keep_rows(logits_rows, self.device))
         logits = None if logits_rows is None else self.model.compute_logits(hidden)  # [N, vocab / tp]
-        if logits is not None and self.tp.size > 1:
-            logits = self._gather_logits(logits)  # [N, vocab]
         if self._timing:
             self._sync()
             self.forward_seconds += time.perf_counter() - start
-        if logits is None:
-            return StepOutput()
-        rows = [s for s in batch.seqs if s.sample]
-        out = self.sampler(logits, self._sampling_tensors(rows, logits.shape[-1]), self.generator)
-        return StepOutput(out.tokens.tolist(), _logprobs(rows, out))
+        return logits
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -234,8 +263,8 @@ class ModelRunner:
         def column(values, dtype=torch.float32):
             return torch.tensor(values, dtype=dtype, device=dev)
 
-        t = SamplingTensors(column([p.temperature for p in params]),
-                            all_greedy=all(p.temperature == 0 for p in params))
+        t = SamplingTensors(column([0.0 if p.greedy else p.temperature for p in params]),
+                            all_greedy=all(p.greedy for p in params))
         if not t.all_greedy:
             if any(p.top_k > 0 for p in params):
                 t.top_k = column([p.top_k if p.top_k > 0 else vocab for p in params], torch.long)
@@ -244,7 +273,7 @@ class ModelRunner:
             if any(p.min_p > 0 for p in params):
                 t.min_p = column([p.min_p for p in params])
             seeded = [(i, seed_for_token(s.seed, s.num_generated)) for i, s in enumerate(rows)
-                      if s.seed is not None and s.params.temperature > 0]
+                      if s.seed is not None and not s.params.greedy]
             t.seeded = seeded or None
         if any(p.has_penalties for p in params):
             self._penalty_tensors(t, rows, vocab)
@@ -355,6 +384,14 @@ def _profile_params():
     from nanokv.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0)
+
+
+def _describe_exit(rank: int, code: int | None) -> str:
+    if code is not None and code < 0:
+        import signal
+
+        return f"rank {rank} (killed by {signal.Signals(-code).name})"
+    return f"rank {rank} (exit code {code})"
 
 
 def _shutdown(workers, device: torch.device) -> None:
