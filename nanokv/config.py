@@ -40,6 +40,7 @@ class EngineConfig:
     attention_backend: str
     tensor_parallel_size: int = 1
     max_logprobs: int = 20
+    head_dim: int = 0  # per attention head, from the model config (model_head_dim)
 
     @classmethod
     def create(
@@ -98,7 +99,7 @@ class EngineConfig:
         _check_tensor_parallel(tensor_parallel_size, hf_config, dev)
         from nanokv.attention import resolve_backend
 
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        head_dim = model_head_dim(hf_config)
         backend = resolve_backend(attention_backend, dev, kvcache_block_size, torch_dtype, head_dim)
         return cls(
             model=model, hf_config=hf_config, architecture=architecture, dtype=torch_dtype,
@@ -109,7 +110,14 @@ class EngineConfig:
             enable_prefix_caching=bool(enable_prefix_caching), enforce_eager=bool(enforce_eager),
             seed=int(seed), eos_token_ids=tuple(_eos_token_ids(model, hf_config)),
             attention_backend=backend, tensor_parallel_size=tensor_parallel_size, max_logprobs=max_logprobs,
+            head_dim=head_dim,
         )
+
+
+def model_head_dim(hf_config) -> int:
+    """Width of one attention head: the config's head_dim (Qwen3 sets its own), else
+    hidden_size / num_attention_heads."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
 def _check_tensor_parallel(n: int, hf_config, device: torch.device) -> None:

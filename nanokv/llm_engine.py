@@ -1,7 +1,8 @@
-"""LLMEngine: requests in, RequestOutputs out; wires the scheduler to the model runner.
+"""LLMEngine: requests in, RequestOutputs out.
 
-Text lives here (the scheduler sees token ids only): detokenization, stop strings,
-logprob formatting, and grouping a request's n samples into one RequestOutput.
+It validates and tokenizes requests, keeps their bookkeeping, and wires the torch-free
+scheduler to an executor (the model's ranks) and to the output processor (text, stop
+strings, streaming deltas, logprobs).
 """
 
 from __future__ import annotations
@@ -15,50 +16,21 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from nanokv.config import EngineConfig
-from nanokv.detokenizer import IncrementalDetokenizer
 from nanokv.engine.block_manager import BlockManager
 from nanokv.engine.scheduler import Scheduler, SchedulerConfig
 from nanokv.engine.sequence import Sequence
 from nanokv.engine.stats import KVStats
 from nanokv.engine.types import EngineDeadError, ScheduledBatch, StepOutput
-from nanokv.outputs import CompletionOutput, Logprob, RequestOutput
+from nanokv.output_processor import OutputProcessor, RequestState
+from nanokv.outputs import RequestOutput
 from nanokv.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
 
 logger = logging.getLogger("nanokv")
-
-
-@dataclass
-class _TextState:
-    """Incremental text of one sample: kept for streaming requests and stop strings."""
-
-    detok: IncrementalDetokenizer
-    num_fed: int = 0  # output tokens fed to detok
-    text_end: int | None = None  # cut here after a stop string
-    sent_chars: int = 0  # streaming: text already returned
-    sent_tokens: int = 0  # streaming: token ids already returned
-    sent_final: bool = False  # streaming: the finished sample was reported
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    stream: bool
-    sink: list | None = None  # where its outputs go (LLM.generate/stream); None: step() returns them
-    seqs: list[Sequence] = field(default_factory=list)
-    text: list[_TextState | None] = field(default_factory=list)
-    num_finished: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.num_finished == len(self.seqs)
 
 
 @dataclass
@@ -72,19 +44,20 @@ class StepStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None):
-        from nanokv.runner.model_runner import ModelRunner
+        from nanokv.executor import make_executor
 
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
-        self.runner = ModelRunner(config)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
+        self.executor = make_executor(config)
+        self.runner = self.executor.runner  # rank 0's ModelRunner (timers, model) for tools and tests
+        self.block_manager = BlockManager(self.executor.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len),
             self.block_manager, config.eos_token_ids)
         self.vocab_size = config.hf_config.vocab_size
-        self._requests: dict[str, _Request] = {}
-        self._watched: dict[int, tuple[_Request, int]] = {}  # seq id -> samples with _TextState
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self._unclaimed: list[RequestOutput] = []  # outputs for step(), produced while others stepped
         self._closed: str | None = None  # why the engine no longer runs (closed, or a dead worker)
@@ -92,7 +65,7 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------
     def make_request(self, prompt: PromptType, params: SamplingParams | None = None,
-                     request_id: str | None = None, *, stream: bool = False) -> _Request:
+                     request_id: str | None = None, *, stream: bool = False) -> RequestState:
         """Validate and tokenize one request without queueing it (ValueError on bad input)."""
         self._check_open()
         params = SamplingParams() if params is None else params
@@ -123,13 +96,8 @@ class LLMEngine:
         request_id = str(request_id)
         room = max_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        req = _Request(request_id, text, token_ids, params, stream)
-        for i in range(params.n):
-            req.seqs.append(Sequence(request_id, token_ids, params, max_tokens, index=i))
-            watched = stream or bool(params.stop)
-            req.text.append(_TextState(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens))
-                            if watched else None)
-        return req
+        seqs = [Sequence(request_id, token_ids, params, max_tokens, index=i) for i in range(params.n)]
+        return self.output_processor.new_request(request_id, text, token_ids, params, stream, seqs)
 
     def _check_params(self, params: SamplingParams) -> None:
         """The bounds that depend on the model (SamplingParams checks the rest itself)."""
@@ -157,7 +125,7 @@ class LLMEngine:
         self.enqueue(req)
         return req.request_id
 
-    def enqueue(self, req: _Request, sink: list | None = None) -> None:
+    def enqueue(self, req: RequestState, sink: list | None = None) -> None:
         """Queue a request made (and validated) by make_request. The n samples of a
         request share the prompt's blocks: the first computes them, the others hit.
 
@@ -169,9 +137,8 @@ class LLMEngine:
             raise ValueError(f"request_id {req.request_id!r} is already in use; pick a unique id")
         req.sink = sink
         self._requests[req.request_id] = req
-        for seq, state in zip(req.seqs, req.text):
-            if state is not None:
-                self._watched[seq.seq_id] = (req, seq.index)
+        self.output_processor.add(req)
+        for seq in req.seqs:
             self.scheduler.add(seq)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -200,7 +167,7 @@ class LLMEngine:
         if req is None:
             return
         for seq in req.seqs:
-            self._watched.pop(seq.seq_id, None)
+            self.output_processor.forget(seq)
             self.scheduler.abort(seq)
 
     def has_unfinished(self) -> bool:
@@ -213,7 +180,7 @@ class LLMEngine:
         """Stop the executor (tensor-parallel workers); later calls raise RuntimeError."""
         if self._closed is None:
             self._closed = "this LLM is closed; create a new LLM"
-        self.runner.close()
+        self.executor.close()
 
     def _check_open(self) -> None:
         if self._closed is not None:
@@ -278,133 +245,47 @@ class LLMEngine:
 
     def _run(self, batch: ScheduledBatch) -> StepOutput:
         try:
-            return self.runner.execute(batch)
+            return self.executor.execute(batch)
         except EngineDeadError as e:
             self._closed = str(e)
             raise
 
     def _apply(self, batch: ScheduledBatch, output: StepOutput, failed: dict[str, str]) -> None:
         finished = self.scheduler.update(batch, output) if batch.seqs else []
-        touched: dict[str, _Request] = {}
-        if self._watched:
-            finished += self._update_text(batch, touched)
+        touched: dict[str, RequestState] = {}
+        for seq, stop in self.output_processor.update_text(batch, touched):
+            if not seq.is_finished:
+                self.scheduler.stop(seq, stop)
+                finished.append(seq)
+            else:  # it ended on a token in the same step: the stop string is the reason
+                seq.finish_reason, seq.stop_reason = "stop", stop
         for seq in finished:
             req = self._requests[seq.request_id]
             req.num_finished += 1
-            self._watched.pop(seq.seq_id, None)
+            self.output_processor.forget(seq)
             touched[req.request_id] = req
         for req in touched.values():
-            if req.stream:
-                self._emit(req, self._delta_output(req))
-            elif req.finished:
-                self._emit(req, self._final_output(req))
+            if req.stream or req.finished:
+                self._emit(req, self.output_processor.output(req))
             if req.finished:
                 del self._requests[req.request_id]
         for request_id, reason in failed.items():
             self._fail(self._requests[request_id], reason)
 
-    def _fail(self, req: _Request, reason: str) -> None:
+    def _fail(self, req: RequestState, reason: str) -> None:
         """End a request that failed in a step: its samples finish with "error"."""
         for seq in req.seqs:
-            self._watched.pop(seq.seq_id, None)
+            self.output_processor.forget(seq)
             if not seq.is_finished:
                 self.scheduler.abort(seq, reason="error")
                 req.num_finished += 1
-        out = self._delta_output(req) if req.stream else self._final_output(req)
+        out = self.output_processor.output(req)
         out.error = reason
         del self._requests[req.request_id]
         self._emit(req, out)
 
-    def _emit(self, req: _Request, out: RequestOutput) -> None:
+    def _emit(self, req: RequestState, out: RequestOutput) -> None:
         (req.sink if req.sink is not None else self._unclaimed).append(out)
-
-    def _update_text(self, batch, touched: dict[str, _Request]) -> list[Sequence]:
-        """Detokenize new tokens of watched samples; stop those whose text hit a stop string."""
-        stopped = []
-        for item in batch.seqs:
-            entry = self._watched.get(item.seq_id) if item.sample else None
-            if entry is None:
-                continue
-            req, index = entry
-            seq, state = req.seqs[index], req.text[index]
-            touched[req.request_id] = req
-            new_ids = seq.output_token_ids[state.num_fed:]
-            state.num_fed += len(new_ids)
-            delta = state.detok.add(new_ids)
-            if not delta or not req.params.stop or seq.num_output_tokens <= req.params.min_tokens:
-                continue
-            hit = _find_stop(state.detok.text, len(delta), req.params.stop)
-            if hit is not None:
-                pos, stop = hit
-                state.text_end = pos + (len(stop) if req.params.include_stop_str_in_output else 0)
-                if not seq.is_finished:  # it may have ended on a token in the same step
-                    self.scheduler.stop(seq, stop)
-                    stopped.append(seq)
-                else:
-                    seq.finish_reason, seq.stop_reason = "stop", stop
-        return stopped
-
-    def _text(self, req: _Request, index: int) -> str:
-        """A finished sample's whole text."""
-        seq, state = req.seqs[index], req.text[index]
-        if state is not None and state.text_end is not None:
-            return state.detok.text[:state.text_end]
-        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
-
-    def _completion(self, req: _Request, index: int, text: str, token_ids: list[int],
-                    logprobs_from: int) -> CompletionOutput:
-        seq = req.seqs[index]
-        out = CompletionOutput(index=index, text=text, token_ids=token_ids,
-                               finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-        if req.params.logprobs is not None:
-            out.logprobs = self._format_logprobs(seq, logprobs_from)
-            out.cumulative_logprob = seq.cumulative_logprob
-        return out
-
-    def _final_output(self, req: _Request) -> RequestOutput:
-        outputs = [self._completion(req, i, self._text(req, i), seq.output_token_ids, 0)
-                   for i, seq in enumerate(req.seqs)]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, finished=True)
-
-    def _delta_output(self, req: _Request) -> RequestOutput:
-        outputs = []
-        for i, (seq, state) in enumerate(zip(req.seqs, req.text)):
-            if seq.is_finished:
-                text = self._text(req, i)
-            else:  # hold back what could still turn out to be the start of a stop string
-                hold = max((len(s) for s in req.params.stop), default=1) - 1
-                text = state.detok.text[:max(state.sent_chars, len(state.detok.text) - hold)]
-            ids = seq.output_token_ids[state.sent_tokens:]
-            if not ids and len(text) == state.sent_chars and (state.sent_final or not seq.is_finished):
-                continue
-            outputs.append(self._completion(req, i, text[state.sent_chars:], ids, state.sent_tokens))
-            state.sent_chars, state.sent_tokens = len(text), seq.num_output_tokens
-            state.sent_final = seq.is_finished
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs,
-                             finished=req.finished)
-
-    def _format_logprobs(self, seq: Sequence, start: int) -> list[dict[int, Logprob]]:
-        """vLLM's shape: per generated token, {token id: Logprob} with the top-N and the
-        sampled token."""
-        result = []
-        for token, lp in zip(seq.output_token_ids[start:], seq.logprobs[start:]):
-            entry = {tid: Logprob(val, rank) for rank, (tid, val) in enumerate(zip(lp.top_ids, lp.top_logprobs), 1)}
-            entry.setdefault(token, Logprob(lp.logprob, lp.rank))
-            ids = list(entry)
-            for tid, piece in zip(ids, self.tokenizer.convert_ids_to_tokens(ids)):
-                entry[tid].decoded_token = piece
-            result.append(entry)
-        return result
-
-
-def _find_stop(text: str, num_new: int, stops: list[str]) -> tuple[int, str] | None:
-    """The earliest stop string that ends inside the newest num_new characters."""
-    best = None
-    for stop in stops:
-        pos = text.find(stop, max(0, len(text) - num_new - len(stop) + 1))
-        if pos != -1 and (best is None or pos < best[0]):
-            best = (pos, stop)
-    return best
 
 
 def check_text(text: str, what: str) -> None:

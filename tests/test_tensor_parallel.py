@@ -40,7 +40,7 @@ def test_tp2_equals_tp1_and_hf(checkpoint, shape, overrides):
         assert llm.kv_stats().peak_used_blocks == 12
     finally:
         llm.close()
-    assert not any(p.is_alive() for p in llm.llm_engine.runner.workers)
+    assert not any(p.is_alive() for p in llm.llm_engine.executor.workers)
 
 
 def test_bad_tensor_parallel_sizes(checkpoint):
@@ -78,7 +78,7 @@ def test_a_second_tp_llm_is_refused_and_the_first_keeps_working(checkpoint):
 def test_killed_worker_makes_generate_raise_promptly(checkpoint):
     model_dir = checkpoint("qwen3-tiny")
     llm = LLM(model_dir, tensor_parallel_size=2)
-    (worker,) = llm.llm_engine.runner.workers
+    (worker,) = llm.llm_engine.executor.workers
     generate(llm)
     os.kill(worker.pid, signal.SIGKILL)
     worker.join(timeout=10)
@@ -93,7 +93,7 @@ def test_worker_killed_during_a_step_does_not_hang(checkpoint):
     """Killed while rank 0 waits in a collective: gloo reports the lost peer."""
     model_dir = checkpoint("qwen3-tiny")
     llm = LLM(model_dir, tensor_parallel_size=2)
-    (worker,) = llm.llm_engine.runner.workers
+    (worker,) = llm.llm_engine.executor.workers
     engine = llm.llm_engine
     engine.add_request(list(range(4, 200)), SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
     engine.step()

@@ -11,6 +11,7 @@ from torch import nn
 
 from nanokv import kernels
 from nanokv.attention.base import AttentionMetadata
+from nanokv.config import model_head_dim
 from nanokv.distributed import TP
 from nanokv.layers.activation import SILU_NAMES, check_activation, gated_activation
 from nanokv.layers.attention import Attention
@@ -27,7 +28,7 @@ class DecoderAttention(nn.Module):
 
     def __init__(self, cfg, tp: TP, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
-        d = self.head_dim = head_dim(cfg)
+        d = self.head_dim = model_head_dim(cfg)
         total_heads, total_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.num_heads = total_heads // tp.size
         first_kv, self.num_kv_heads = kv_heads_of_rank(total_kv, tp)
@@ -109,7 +110,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg, max_positions, tp, qkv_bias, o_bias, qk_norm, mlp_bias):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.rotary = RotaryEmbedding(cfg, head_dim(cfg), max_positions)
+        self.rotary = RotaryEmbedding(cfg, model_head_dim(cfg), max_positions)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, tp, qkv_bias, o_bias, qk_norm, mlp_bias)
             for _ in range(cfg.num_hidden_layers))
@@ -164,10 +165,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [N, vocab / tp] float32
-
-
-def head_dim(cfg) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 def kv_heads_of_rank(total_kv: int, tp: TP) -> tuple[int, int]:

@@ -5,152 +5,84 @@ from __future__ import annotations
 import logging
 import time
 from itertools import chain
+from typing import NamedTuple
 
 import torch
 
-import torch.distributed as dist
-
-from nanokv import distributed as tpd
 from nanokv.attention import AttentionMetadata, get_backend
 from nanokv.config import EngineConfig
 from nanokv.distributed import TP
-from nanokv.engine.types import EngineDeadError, ScheduledBatch, ScheduledSeq, StepOutput, TokenLogprobs
+from nanokv.engine.types import ScheduledBatch, ScheduledSeq, StepOutput, TokenLogprobs
 from nanokv.layers.attention import Attention
 from nanokv.layers.sampler import Sampler, SamplerOutput, SamplingTensors, seed_for_token
 from nanokv.loader import build_model
 from nanokv.models import get_model_class
-from nanokv.models.llama import head_dim
 from nanokv.runner.cuda_graph import DecodeGraphs
 from nanokv.runner.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
+from nanokv.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanokv")
 
 
-class ModelRunner:
-    """Rank 0 (the engine's process) drives; with tensor_parallel_size > 1 it first spawns
-    the worker ranks, which build the same runner on their shard and serve() steps."""
+class StepInputs(NamedTuple):
+    """One step as tensors: what every rank's forward needs (the TP executor broadcasts it)."""
 
-    def __init__(self, config: EngineConfig, tp: TP | None = None, init_method: str | None = None):
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor | None  # [N] rows whose logits are sampled, in batch order
+
+
+class ModelRunner:
+    """One rank's model: its shard of the weights and of the KV pool, step inputs, the
+    forward pass and sampling. It knows nothing of processes: an executor (executor/)
+    decides which ranks exist, who drives, and how steps reach them.
+
+    Built in two parts, because the ranks of a tensor-parallel group must agree on one
+    pool size: __init__ loads the model and works out max_num_blocks (what this rank's
+    memory allows), init_kv_cache(num_blocks) then allocates the pool."""
+
+    def __init__(self, config: EngineConfig, tp: TP = TP()):
         self.config = config
-        self.tp = tp or TP(0, config.tensor_parallel_size)
+        self.tp = tp
         self.device = config.device
-        if self.tp.rank > 0 and config.device.type == "cuda":
-            self.device = torch.device("cuda", self.tp.rank)
+        if tp.rank > 0 and config.device.type == "cuda":
+            self.device = torch.device("cuda", tp.rank)
             torch.cuda.set_device(self.device)
-        self.workers = []
-        self.closed = False
-        if self.tp.size > 1:
-            self._start_group(init_method)
         hf = config.hf_config
         self.model = build_model(get_model_class(config.architecture), hf, config.model,
-                                 config.dtype, self.device, config.max_model_len, self.tp)
-        self.vocab_size = hf.vocab_size
+                                 config.dtype, self.device, config.max_model_len, tp)
         self.block_size = config.block_size
         self.backend = get_backend(config.attention_backend)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         assert len(self.attn_layers) == hf.num_hidden_layers
         for layer in self.attn_layers:
             layer.backend = self.backend
-        self.kv_shape = (hf.num_hidden_layers, self.attn_layers[0].num_kv_heads, head_dim(hf))
-        use_graphs = (config.device.type == "cuda" and not config.enforce_eager
-                      and self.backend.supports_cuda_graphs and self.tp.size == 1)
-        activation_bytes = self._profile_activation_bytes(use_graphs) if config.device.type == "cuda" else 0
-        self.num_blocks = num_kv_blocks(config, bytes_per_block(config, *self.kv_shape), activation_bytes)
-        if self.tp.size > 1:  # every rank must hand out the same block ids: take the smallest pool
-            n = torch.tensor([self.num_blocks], device=self.device)
-            dist.all_reduce(n, op=dist.ReduceOp.MIN)
-            self.num_blocks = int(n.item())
-        # one block more than the block manager hands out: the scratch block of padding rows
-        self._set_kv_cache(allocate_kv_cache(config, self.num_blocks + 1, *self.kv_shape))
+        self.kv_shape = (hf.num_hidden_layers, self.attn_layers[0].num_kv_heads, config.head_dim)
+        self.use_graphs = (config.device.type == "cuda" and not config.enforce_eager
+                           and self.backend.supports_cuda_graphs and tp.size == 1)
+        activation_bytes = self._profile_activation_bytes(self.use_graphs) if config.device.type == "cuda" else 0
+        self.max_num_blocks = num_kv_blocks(config, bytes_per_block(config, *self.kv_shape), activation_bytes)
+        self.num_blocks = 0
+        self.kv_cache: torch.Tensor | None = None
         self.graphs = None
-        if use_graphs:
-            self.graphs = DecodeGraphs(self.model, self.backend, self.block_size, config.max_num_seqs,
-                                       config.max_model_len, self.num_blocks, config.device)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        if self.tp.rank == 0 and self.tp.size > 1:
-            self._wait_for_workers()
         self.eos_token_ids = list(config.eos_token_ids)
         self.num_steps = 0
         self.forward_seconds = 0.0  # model forward + LM head, measured only after reset_timers()
         self._timing = False
 
-    # ---- tensor parallelism ---------------------------------------------------------------
-    def _start_group(self, init_method: str | None) -> None:
-        if self.tp.rank == 0 and dist.is_initialized():
-            raise ValueError("another tensor-parallel LLM (or torch.distributed group) already exists in this "
-                             "process and owns the default process group; call close() on that LLM first, "
-                             "or use tensor_parallel_size=1")
-        if self.tp.rank == 0:
-            import multiprocessing as mp
-            import weakref
-
-            init_method = f"tcp://127.0.0.1:{tpd.free_port()}"
-            ctx = mp.get_context("spawn")
-            pipes = []
-            for rank in range(1, self.tp.size):
-                recv, send = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=tpd.worker_main, daemon=True, name=f"nanokv-tp{rank}",
-                                   args=(self.config, rank, self.tp.size, init_method, send))
-                proc.start()
-                self.workers.append(proc)
-                pipes.append(recv)
-            self._finalizer = weakref.finalize(self, _shutdown, self.workers, self.device)
-        tpd.init_group(self.tp.rank, self.tp.size, init_method, self.device)
-        if self.tp.rank == 0:
-            self._ready_pipes = pipes
-
-    def _wait_for_workers(self) -> None:
-        for rank, pipe in enumerate(self._ready_pipes, start=1):
-            if not pipe.poll(tpd.TIMEOUT.total_seconds()):
-                self.close()
-                raise RuntimeError(f"tensor-parallel worker {rank} did not start in time")
-            status = pipe.recv()
-            if status != "ok":
-                self.close()
-                raise RuntimeError(f"tensor-parallel worker {rank} failed to start: {status}")
-
-    def check_workers(self) -> None:
-        if self.closed:
-            raise EngineDeadError("this LLM is closed; create a new LLM")
-        dead = [(i + 1, p.exitcode) for i, p in enumerate(self.workers) if not p.is_alive()]
-        if dead:
-            self.close()
-            raise EngineDeadError(f"tensor-parallel worker(s) died: {', '.join(_describe_exit(r, c) for r, c in dead)}"
-                                  "; the engine cannot continue, create a new LLM")
-
-    def close(self) -> None:
-        """Stop the worker ranks (rank 0 only; idempotent)."""
-        self.closed = True
-        if self.workers and getattr(self, "_finalizer", None) is not None:
-            self._finalizer()
-
-    @torch.inference_mode()
-    def serve(self) -> None:
-        """Worker ranks: run the steps rank 0 broadcasts until it says stop."""
-        header = torch.empty(tpd.HEADER_LEN, dtype=torch.long, device=self.device)
-        while True:
-            dist.broadcast(header, src=0)
-            values = header.tolist()
-            if values[0] == tpd.OP_SHUTDOWN:
-                return
-            size = 3 * values[1] + (values[2] + 1) + values[2] + values[2] * values[4] + values[5]
-            payload = torch.empty(size, dtype=torch.long, device=self.device)
-            dist.broadcast(payload, src=0)
-            ids, positions, slots, qsl, seq_lens, tables, rows, num_decodes = tpd.unpack_step(values, payload)
-            q_lens = (qsl[1:] - qsl[:-1]).tolist()
-            seq_lens_cpu = seq_lens.tolist()
-            meta = AttentionMetadata(slots, qsl, seq_lens, tables, num_decodes, max(q_lens), max(seq_lens_cpu),
-                                     q_lens, seq_lens_cpu)
-            self.backend.prepare(meta, self.block_size)
-            hidden = self.model(ids, positions, meta, _keep_rows(rows, self.device))
-            if rows is not None:
-                dist.gather(self.model.compute_logits(hidden).contiguous(), dst=0)
-
-    def _gather_logits(self, local: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(local) for _ in range(self.tp.size)]
-        dist.gather(local.contiguous(), parts, dst=0)
-        return torch.cat(parts, dim=-1)
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the pool (num_blocks <= max_num_blocks) and capture CUDA graphs."""
+        assert 0 < num_blocks <= self.max_num_blocks
+        self.num_blocks = num_blocks
+        # one block more than the block manager hands out: the scratch block of padding rows
+        self._set_kv_cache(allocate_kv_cache(self.config, num_blocks + 1, *self.kv_shape))
+        if self.use_graphs:
+            cfg = self.config
+            self.graphs = DecodeGraphs(self.model, self.backend, self.block_size, cfg.max_num_seqs,
+                                       cfg.max_model_len, num_blocks, cfg.device)
 
     def _set_kv_cache(self, cache: torch.Tensor) -> None:
         self.kv_cache = cache
@@ -167,17 +99,15 @@ class ModelRunner:
         num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens // seq_len))
         per_seq = -(-seq_len // bs)
         self._set_kv_cache(allocate_kv_cache(cfg, num_seqs * per_seq, *self.kv_shape, log=False))
-        from nanokv.engine.types import ScheduledBatch as _Batch
-
-        batch = _Batch()
-        params = _profile_params()
+        batch = ScheduledBatch()
+        params = SamplingParams(temperature=0)
         for i in range(num_seqs):
             table = list(range(i * per_seq, (i + 1) * per_seq))
             batch.seqs.append(ScheduledSeq(i, [0] * seq_len, 0, table, True, params))
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        input_ids, positions, meta, rows = self._prepare(batch)
+        input_ids, positions, meta, rows = self.prepare(batch)
         self.backend.prepare(meta, bs)
         hidden = self.model(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden[rows.repeat(-(-cfg.max_num_seqs // len(rows)))[:cfg.max_num_seqs]])
@@ -198,41 +128,16 @@ class ModelRunner:
         """Start measuring time spent in the model forward (synchronises CUDA each step)."""
         self.num_steps, self.forward_seconds, self._timing = 0, 0.0, True
 
-    @torch.inference_mode()
+    # ---- a step ---------------------------------------------------------------------------
     def execute(self, batch: ScheduledBatch) -> StepOutput:
-        input_ids, positions, meta, logits_rows = self._prepare(batch)
-        if self.tp.size == 1:
-            logits = self._forward(input_ids, positions, meta, logits_rows)
-        else:
-            logits = self._forward_tp(input_ids, positions, meta, logits_rows)
-        if logits is None:
-            return StepOutput()
-        rows = [s for s in batch.seqs if s.sample]
-        out = self.sampler(logits, self._sampling_tensors(rows, logits.shape[-1]), self.generator)
-        return StepOutput(out.tokens.tolist(), _logprobs(rows, out))
+        """A whole step on a single rank: inputs, forward, sampling."""
+        return self.sample(self.forward(self.prepare(batch)), batch)
 
-    def _forward_tp(self, input_ids, positions, meta, logits_rows) -> torch.Tensor | None:
-        """The step on every rank: broadcast, forward with its all-reduces, logits gathered.
-        A collective that breaks means a worker died: the engine cannot go on."""
-        self.check_workers()
-        try:
-            tpd.broadcast_step(*tpd.pack_step(input_ids, positions, meta.slot_mapping, meta.query_start_loc,
-                                              meta.seq_lens, meta.block_tables, logits_rows,
-                                              meta.num_decodes, self.device))
-            logits = self._forward(input_ids, positions, meta, logits_rows)
-            return None if logits is None else self._gather_logits(logits)  # [N, vocab]
-        except RuntimeError as e:
-            deadline = time.monotonic() + 2  # let the dead worker's exit be seen
-            while time.monotonic() < deadline and all(p.is_alive() for p in self.workers):
-                time.sleep(0.05)
-            self.check_workers()
-            self.close()
-            raise EngineDeadError(f"a tensor-parallel step failed ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''}); the engine cannot continue, "
-                                  "create a new LLM") from e
-
-    def _forward(self, input_ids, positions, meta, logits_rows) -> torch.Tensor | None:
-        """This rank's forward: logits of the sampling rows [N, vocab / tp], or None."""
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """This rank's forward: logits of the sampling rows [N, vocab / tp], or None when no
+        sequence samples this step."""
+        input_ids, positions, meta, logits_rows = inputs
         graphed = (self.graphs is not None and meta.num_decodes == meta.num_seqs
                    and self.graphs.bucket_for(meta.num_seqs) is not None)
         if not graphed:
@@ -251,6 +156,15 @@ class ModelRunner:
             self._sync()
             self.forward_seconds += time.perf_counter() - start
         return logits
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor | None, batch: ScheduledBatch) -> StepOutput:
+        """The next token of each sampling sequence from the whole-vocabulary logits [N, vocab]."""
+        if logits is None:
+            return StepOutput()
+        rows = [s for s in batch.seqs if s.sample]
+        out = self.sampler(logits, self._sampling_tensors(rows, logits.shape[-1]), self.generator)
+        return StepOutput(out.tokens.tolist(), _logprobs(rows, out))
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -311,7 +225,7 @@ class ModelRunner:
              torch.tensor(seen_ids, dtype=torch.long, device=dev)] = True
         t.output_counts, t.seen_mask = counts, seen
 
-    def _prepare(self, batch: ScheduledBatch):
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
         seqs = batch.seqs
         # Decodes (one query token) first, shortest context first, then prefill chunks,
         # shortest first: backends that pad groups of similar sequences waste little.
@@ -355,7 +269,7 @@ class ModelRunner:
         )
         input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in ordered))).to(dev)
         rows = torch.tensor(logits_rows).to(dev) if logits_rows else None
-        return input_ids, positions.to(dev), meta, rows
+        return StepInputs(input_ids, positions.to(dev), meta, rows)
 
 
 def _keep_rows(rows: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -378,35 +292,3 @@ def _logprobs(rows: list[ScheduledSeq], out: SamplerOutput) -> list[TokenLogprob
             result.append(TokenLogprobs(lp[i], ranks[i], top_ids[i][:n] if n else [],
                                         top_lp[i][:n] if n else []))
     return result
-
-
-def _profile_params():
-    from nanokv.sampling_params import SamplingParams
-
-    return SamplingParams(temperature=0)
-
-
-def _describe_exit(rank: int, code: int | None) -> str:
-    if code is not None and code < 0:
-        import signal
-
-        return f"rank {rank} (killed by {signal.Signals(-code).name})"
-    return f"rank {rank} (exit code {code})"
-
-
-def _shutdown(workers, device: torch.device) -> None:
-    """Tell the worker ranks to stop, wait briefly, then make sure they are gone."""
-    try:
-        if dist.is_initialized():
-            if all(p.is_alive() for p in workers):
-                stop = torch.zeros(tpd.HEADER_LEN, dtype=torch.long, device=device)
-                stop[0] = tpd.OP_SHUTDOWN
-                dist.broadcast(stop, src=0)
-            dist.destroy_process_group()
-    except Exception:  # a broken group: the workers are killed below anyway
-        pass
-    for p in workers:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)

@@ -229,7 +229,7 @@ def test_last_layer_runs_only_the_rows_that_sample(model_dir, fused):
     lens, tables = [37, 5, 20], [[0, 1, 2, 3, 4], [5], [6, 7, 8]]
     seqs = [ScheduledSeq(i, [(11 * i + j) % 500 + 1 for j in range(n)], 0, table, i != 1, params)
             for i, (n, table) in enumerate(zip(lens, tables))]
-    input_ids, positions, meta, rows = runner._prepare(ScheduledBatch(seqs, sum(lens)))
+    input_ids, positions, meta, rows = runner.prepare(ScheduledBatch(seqs, sum(lens)))
     assert rows.tolist() != sorted(rows.tolist())  # the runner orders chunks shortest first
     with torch.inference_mode():
         runner.backend.prepare(meta, runner.block_size)
