@@ -14,10 +14,15 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 def check_stats(engine):
     kv = engine.kv_stats()
-    assert kv.used_blocks + kv.free_blocks == kv.num_blocks
-    assert kv.used_blocks == sum(1 for b in engine.block_manager.blocks if b.ref_count > 0)
+    bm, bs, running = engine.block_manager, engine.block_manager.block_size, engine.scheduler.running
+    assert kv.free_blocks == sum(1 for b in bm.blocks if b.ref_count == 0)
+    assert kv.used_blocks == sum(1 for b in bm.blocks if b.ref_count > 0)
+    # every used block belongs to a running table (nothing leaked), and the stored tokens
+    # are the distinct slots those tables fill
+    assert {b for s in running for b in s.block_table} == {b.block_id for b in bm.blocks if b.ref_count > 0}
+    slots = {(s.block_table[p // bs], p % bs) for s in running for p in range(s.num_computed_tokens)}
+    assert kv.stored_tokens == len(slots)
     assert 0 <= kv.prefix_hit_tokens <= kv.prefix_query_tokens
-    assert kv.allocated_slots == kv.used_blocks * kv.block_size
     running = len(engine.scheduler.running)
     assert 0 <= kv.fragmentation_tokens < max(running, 1) * kv.block_size
     assert kv.peak_used_blocks >= kv.used_blocks

@@ -80,7 +80,10 @@ def test_sampling_is_seeded_and_valid(model_dir):
     runs = [[o.outputs[0].token_ids for o in LLM(model_dir, seed=3).generate(prompts, params, use_tqdm=False)]
             for _ in range(2)]
     assert runs[0] == runs[1]
-    assert all(0 <= t < 1024 for seq in runs[0] for t in seq)
+    other = [o.outputs[0].token_ids for o in LLM(model_dir, seed=4).generate(prompts, params, use_tqdm=False)]
+    greedy = [o.outputs[0].token_ids for o in LLM(model_dir, seed=3).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)]
+    assert other != runs[0] and greedy != runs[0]  # the seed and the temperature both matter
 
 
 def test_progress_bar_reports_throughput(llm, capsys):

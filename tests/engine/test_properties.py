@@ -65,7 +65,11 @@ def check_invariants(sched: Scheduler, runner: FakeRunner) -> None:
         assert seq.block_table == [] and seq.num_computed_tokens == 0
     assert len(sched.running) <= sched.config.max_num_seqs
     kv = sched.kv_stats()
-    assert kv.used_blocks + kv.free_blocks == kv.num_blocks
+    assert kv.free_blocks == sum(1 for b in bm.blocks if b.ref_count == 0)
+    assert {b for s in sched.running for b in s.block_table} == {b.block_id for b in bm.blocks if b.ref_count > 0}
+    bs = bm.block_size
+    slots = {(s.block_table[p // bs], p % bs) for s in sched.running for p in range(s.num_computed_tokens)}
+    assert kv.stored_tokens == len(slots)
     assert 0 <= kv.fragmentation_tokens < max(len(sched.running), 1) * bm.block_size
     assert kv.prefix_hit_tokens <= kv.prefix_query_tokens
 
