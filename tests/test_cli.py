@@ -20,7 +20,10 @@ import time
 import pytest
 
 from nanokv import LLM, SamplingParams
-from nanokv.cli import FileLock, errors_path, main, part_path, scan_ids
+from nanokv.entrypoints.cli import main
+from nanokv.entrypoints.cli.inputs import scan_ids
+from nanokv.entrypoints.cli.locks import FileLock
+from nanokv.entrypoints.cli.records import errors_path, part_path
 from nanokv.llm import render_chat
 from nanokv.llm_engine import LLMEngine
 

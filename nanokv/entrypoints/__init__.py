@@ -1,0 +1,1 @@
+"""Entry points: the command line (cli/) and the OpenAI-compatible server."""

@@ -1,0 +1,97 @@
+"""One run at a time on an output: an flock'ed `<output>.lock` naming its holder."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import time
+
+from nanokv.entrypoints.cli.common import InputError
+
+
+class FileLock:
+    """An exclusive flock(2) on `<target>.lock`, a file naming its holder. The kernel drops
+    the lock when the holder dies, so a killed run never blocks its resume; a lock file
+    left behind is the trace of a run that did not finish (`stale`), which is what lets a
+    file holding only a torn line be cut. Removed on release while still locked: whoever
+    opened the old file before then finds it unlinked after its flock and retries."""
+
+    def __init__(self, target: str, holder: str):
+        self.target, self.path = target, target + ".lock"
+        self.stale = False  # it named a holder when taken: a run on these files was killed
+        self.settled = False  # the files it guards were checked and repaired since
+        self._fd = self._acquire(holder)
+
+    def _acquire(self, holder: str) -> int:
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise InputError(f"cannot create the lock file {self.path}: {e.strerror}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held_by = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another nanokv process"
+                os.close(fd)
+                raise InputError(f"{self.target} is in use by {held_by} (it holds {self.path}); "
+                                 "wait for that run to end or stop it") from None
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)  # its holder removed it between our open and flock
+        previous = os.pread(fd, 512, 0)
+        if previous and not previous.startswith(b"nanokv "):
+            os.close(fd)
+            raise InputError(f"{self.path} exists and nanokv did not write it; move it away")
+        self.stale = bool(previous)
+        line = f"nanokv {holder} pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, line.encode(), 0)
+        os.fsync(fd)  # the trace must outlive a machine crash too
+        return fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        if self.settled or not self.stale:  # else keep the trace of the killed run
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        os.close(self._fd)
+        self._fd = None
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+class Locks:
+    """The locks this process holds, by the path each guards (an output or an output part)."""
+
+    def __init__(self, holder: str):
+        self.holder = holder
+        self._held: dict[str, FileLock] = {}
+
+    def take(self, target: str) -> FileLock:
+        if target not in self._held:
+            self._held[target] = FileLock(target, self.holder)
+        return self._held[target]
+
+    def __contains__(self, target: str) -> bool:
+        return target in self._held
+
+    def stale(self, target: str) -> bool:
+        return target in self._held and self._held[target].stale
+
+    def settle(self, target: str) -> None:
+        self._held[target].settled = True
+
+    def release(self) -> None:
+        for lock in self._held.values():
+            lock.release()
+        self._held.clear()
