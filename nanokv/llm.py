@@ -7,10 +7,9 @@ import numbers
 import time
 from collections.abc import Iterator, Sequence as Seq
 
-import torch
 from tqdm.auto import tqdm
 
-from nanokv.config import EngineConfig
+from nanokv.config import EngineArgs
 from nanokv.engine.stats import KVStats
 from nanokv.llm_engine import LLMEngine, PromptType, check_text
 from nanokv.outputs import RequestOutput
@@ -26,36 +25,13 @@ class LLM:
     >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))[0].outputs[0].text
     """
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        dtype: str | torch.dtype = "auto",
-        device: str | torch.device = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        kvcache_block_size: int = 16,
-        num_kvcache_blocks: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enable_prefix_caching: bool = True,
-        enforce_eager: bool = False,
-        seed: int | None = 0,
-        attention_backend: str = "auto",
-        tensor_parallel_size: int = 1,
-        max_logprobs: int = 20,
-    ):
-        config = EngineConfig.create(
-            model, dtype=dtype, device=device, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            kvcache_block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
-            attention_backend=attention_backend, tensor_parallel_size=tensor_parallel_size,
-            max_logprobs=max_logprobs)
-        self.llm_engine = LLMEngine(config)
+    def __init__(self, model: str, **kwargs):
+        """model: a Hugging Face model directory, a .gguf file (or a directory holding
+        one), or a built-in name ("smollm2"). kwargs: engine arguments (EngineArgs: dtype,
+        device, max_model_len, max_num_seqs, ...; vLLM's names such as block_size work too);
+        an unknown name raises ValueError suggesting the closest one."""
+        args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.llm_engine = LLMEngine(args.create_engine_config())
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

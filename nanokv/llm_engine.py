@@ -53,7 +53,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.executor.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
             self.block_manager, config.eos_token_ids)
         self.vocab_size = config.hf_config.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)

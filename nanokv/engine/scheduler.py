@@ -26,7 +26,6 @@ from nanokv.engine.types import ScheduledBatch, ScheduledSeq, StepOutput
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
-    max_model_len: int
 
 
 class Scheduler:

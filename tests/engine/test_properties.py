@@ -78,7 +78,7 @@ def check_invariants(sched: Scheduler, runner: FakeRunner) -> None:
 @given(workloads())
 def test_random_workloads_keep_invariants_and_outputs(w):
     bm = BlockManager(w["num_blocks"], w["block_size"], w["prefix_caching"])
-    sched = Scheduler(SchedulerConfig(w["max_num_seqs"], w["budget"], w["max_model_len"]), bm)
+    sched = Scheduler(SchedulerConfig(w["max_num_seqs"], w["budget"]), bm)
     runner = FakeRunner(w["num_blocks"], w["block_size"])
     seqs = []
     for i, r in enumerate(w["requests"]):

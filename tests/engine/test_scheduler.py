@@ -14,10 +14,9 @@ from nanokv.sampling_params import SamplingParams
 from .fake_runner import FakeRunner, reference_generate
 
 
-def make_engine(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_model_len=64,
-                prefix_caching=True, eos=()):
+def make_engine(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, prefix_caching=True, eos=()):
     bm = BlockManager(num_blocks, block_size, prefix_caching)
-    sched = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), bm, eos)
+    sched = Scheduler(SchedulerConfig(max_num_seqs, budget), bm, eos)
     return sched, FakeRunner(num_blocks, block_size)
 
 
@@ -68,7 +67,7 @@ def test_continuous_batching_matches_reference_and_respects_limits():
 
 
 def test_long_prompt_is_chunked_and_decodes_go_first():
-    sched, runner = make_engine(budget=8, max_model_len=64)
+    sched, runner = make_engine(budget=8)
     short = add(sched, [1, 2], max_tokens=10)
     sched.update(b := sched.schedule(), runner.execute(b))  # short prefilled, now decoding
     long = add(sched, list(range(3, 33)), max_tokens=2)  # 30 tokens: 4 chunks of <= 8
@@ -86,7 +85,7 @@ def test_long_prompt_is_chunked_and_decodes_go_first():
 
 
 def test_preemption_under_a_tiny_pool_recomputes_correctly():
-    sched, runner = make_engine(num_blocks=16, block_size=4, max_num_seqs=8, budget=64, max_model_len=64)
+    sched, runner = make_engine(num_blocks=16, block_size=4, max_num_seqs=8, budget=64)
     prompts = [[(7 * i + j) % 50 for j in range(10 + 3 * i)] for i in range(6)]
     seqs = [add(sched, p, max_tokens=20) for p in prompts]
     run(sched, runner)
@@ -98,7 +97,7 @@ def test_preemption_under_a_tiny_pool_recomputes_correctly():
 def test_newest_request_preempts_itself_without_crashing():
     # Pool of 4 blocks x 4 tokens. A (older) holds 3 blocks; B (newest) fills its only
     # block and needs a second one while A still runs: B must preempt itself, not A.
-    sched, runner = make_engine(num_blocks=4, block_size=4, budget=64, max_model_len=16)
+    sched, runner = make_engine(num_blocks=4, block_size=4, budget=64)
     a = add(sched, list(range(1, 10)), max_tokens=6)  # grows to 15 tokens: 4 blocks at the end
     b = add(sched, [40, 41, 42], max_tokens=6)
     preempted_b = False
@@ -115,7 +114,7 @@ def test_newest_request_preempts_itself_without_crashing():
 
 
 def test_lone_request_filling_the_pool_finishes():
-    sched, runner = make_engine(num_blocks=4, block_size=4, max_model_len=16)
+    sched, runner = make_engine(num_blocks=4, block_size=4)
     seq = add(sched, [1, 2, 3], max_tokens=13)  # exactly max_model_len tokens in the end
     run(sched, runner)
     assert seq.num_tokens == 16 and seq.finish_reason == "length"
@@ -213,8 +212,7 @@ def test_blocks_filled_while_decoding_are_cached():
 
 
 def test_requests_sharing_a_new_prefix_compute_it_once():
-    sched, runner = make_engine(num_blocks=400, block_size=16, max_num_seqs=16, budget=4096,
-                                max_model_len=1024)
+    sched, runner = make_engine(num_blocks=400, block_size=16, max_num_seqs=16, budget=4096)
     prefix = [(5 * i) % 89 + 1 for i in range(512)]
     prompts = [prefix + [90 + i] * (i + 1) for i in range(8)]
     seqs = [add(sched, p, max_tokens=4) for p in prompts]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import os
 import signal
 import sys
@@ -17,7 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from nanokv.entrypoints.cli.arguments import engine_kwargs_from_args, sampling_params_from_args
+from nanokv.entrypoints.cli.arguments import engine_args_from_cli, sampling_params_from_args
 from nanokv.entrypoints.cli.common import EXIT_FAILED_LINES, EXIT_OK, InputError, Rank, RunFailed, first_line, logger, say
 from nanokv.entrypoints.cli.inputs import BLANK, Item, Source, open_input, read_shard, scan_file
 from nanokv.entrypoints.cli.locks import Locks
@@ -57,7 +58,7 @@ def generate(args) -> int:
     if rank.world_size > 1:
         _die_with_agent()
     base = sampling_params_from_args(args)
-    engine_kwargs = engine_kwargs_from_args(args, rank)
+    engine_args = engine_args_from_cli(args, rank)
     group = _gloo_group(args.rendezvous_timeout, args.dist_timeout) if rank.world_size > 1 else None
     files = ShardFiles.of(args.output, rank)
     with contextlib.ExitStack() as stack:
@@ -66,12 +67,12 @@ def generate(args) -> int:
         source, scan, done, failed = _agreed(group, lambda: _prepare(args, rank, files, locks, stack))
         skip = done if args.retry_errors else done | failed
         counts = _plan(scan.ids, rank, done, skip)
-        llm = _load_llm(args.model, engine_kwargs) if counts.todo else None
+        llm = _load_llm(engine_args) if counts.todo else None
         out = JsonlWriter(files.output, args.fsync_every, args.fsync_seconds).open()
         err = JsonlWriter(files.errors, args.fsync_every, args.fsync_seconds)
         try:
             if llm is not None:
-                seed = engine_kwargs["seed"] if args.line_seeds else None
+                seed = llm.llm_engine.config.seed if args.line_seeds else None
                 items = read_shard(source, scan, rank, skip, llm.get_tokenizer(), base, seed, args.id_from_line)
                 run(llm.llm_engine, items, out, err, counts, args.window, progress=args.progress and rank.rank == 0)
                 with _engine_errors():
@@ -293,16 +294,16 @@ def _summary(counts: Counts) -> str:
     return text
 
 
-def _load_llm(model: str, engine_kwargs: dict):
+def _load_llm(engine_args):
     from nanokv.llm import LLM
 
-    if str(engine_kwargs["device"]).startswith("cuda:"):
+    if str(engine_args.device).startswith("cuda:"):
         import torch
 
-        torch.cuda.set_device(torch.device(engine_kwargs["device"]))
+        torch.cuda.set_device(torch.device(engine_args.device))
     try:
         with _engine_errors():
-            return LLM(model, **engine_kwargs)
+            return LLM(**dataclasses.asdict(engine_args))
     except ValueError as e:  # a bad engine flag or model directory
         raise InputError(str(e)) from None
 
