@@ -57,8 +57,10 @@ class EngineConfig:
         attention_backend: str = "auto",
         tensor_parallel_size: int = 1,
     ) -> "EngineConfig":
+        from nanokv.gguf import resolve_model
         from nanokv.models import resolve_architecture
 
+        model = resolve_model(model)  # a built-in name ("smollm2") -> its file
         hf_config = load_hf_config(model)
         architecture = resolve_architecture(hf_config)
         dev = _resolve_device(device)
@@ -128,6 +130,10 @@ def load_hf_config(model: str):
     """The checkpoint's transformers config; ValueError when `model` is no model directory."""
     from transformers import AutoConfig
 
+    from nanokv import gguf
+
+    if (gguf_file := gguf.find_gguf(model)) is not None:
+        return gguf.load_config(gguf_file)
     if not os.path.isdir(model):
         raise ValueError(
             f"model {model!r} is not a directory; nanokv loads local Hugging Face model "

@@ -286,6 +286,10 @@ def _find_stop(text: str, num_new: int, stops: list[str]) -> tuple[int, str] | N
 def load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
+    from nanokv import gguf
+
+    if (gguf_file := gguf.find_gguf(model)) is not None:
+        return gguf.load_tokenizer(gguf_file)
     try:
         return AutoTokenizer.from_pretrained(model)
     except Exception as e:
