@@ -154,6 +154,20 @@ def peak_gib(device: torch.device) -> float:
     return float("nan")
 
 
+def cpu_kv_budget_fraction() -> float | None:
+    """nanokv's default CPU KV pool budget (4 GiB, at most half the free RAM) as a fraction of
+    the free RAM: HF continuous batching's cache gets the same budget (by default it takes
+    most of the RAM, and allocating it takes longer than small workloads run)."""
+    from nanokv.runner.kv_cache import _CPU_DEFAULT_BUDGET
+
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+    return min(0.5, _CPU_DEFAULT_BUDGET / free)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -236,20 +250,28 @@ def run_hf_generate(model, reqs: list[Request], device: torch.device, batch_size
 
 
 @torch.inference_mode()
-def run_hf_continuous(model, reqs: list[Request], device: torch.device, sampling: dict | None = None) -> Result:
+def run_hf_continuous(model, reqs: list[Request], device: torch.device, sampling: dict | None = None,
+                      max_memory_percent: float | None = None) -> Result:
     """transformers' continuous batching manager, each request with its own max_new_tokens
-    (sampled workloads: one seed for the run; the manager has no per-request seeds)."""
+    (sampled workloads: one seed for the run; the manager has no per-request seeds). Its KV
+    cache takes max_memory_percent of the free memory (None: transformers' default). Timed
+    from the first request to the last result: the cache allocation and warm-up are set-up,
+    like nanokv's LLM(...)."""
     import copy
+
+    from transformers import ContinuousBatchingConfig
 
     config = copy.deepcopy(model.generation_config)
     if sampling:
         config.update(do_sample=True, **sampling)
-        torch.manual_seed(reqs[0].seed)
+    cb_config = ContinuousBatchingConfig(max_memory_percent=max_memory_percent,
+                                         seed=reqs[0].seed if sampling else None)
     reset_peak(device)
-    sync(device)
-    start = time.perf_counter()
     done = 0
-    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
+    with model.continuous_batching_context_manager(generation_config=config, continuous_batching_config=cb_config,
+                                                   block=True, timeout=5) as manager:
+        sync(device)
+        start = time.perf_counter()
         for i, r in enumerate(reqs):
             manager.add_request(r.prompt, request_id=str(i), max_new_tokens=r.max_tokens)
         tokens = 0
@@ -260,9 +282,10 @@ def run_hf_continuous(model, reqs: list[Request], device: torch.device, sampling
                 tokens += len(result.generated_tokens)
             elif result is None and not manager.is_running():
                 raise RuntimeError("HF continuous batching stopped early")
-    sync(device)
+        sync(device)
+        seconds = time.perf_counter() - start
     useful = min(tokens, sum(r.max_tokens for r in reqs))
-    return Result("HF continuous batching", useful, time.perf_counter() - start, peak_gib(device))
+    return Result("HF continuous batching", useful, seconds, peak_gib(device))
 
 
 def run_vllm(model_dir: str, reqs: list[Request], device: torch.device) -> Result:
@@ -423,7 +446,7 @@ def run_workload(name: str, spec: dict, model_dir: str, hf_model, tokenizer, dim
             r.note = "; ".join(filter(None, [r.note, f"fastest of {args.repeats} runs"]))
     if "hf-cb" in engines:
         try:
-            results.append(run_hf_continuous(hf_model(), reqs, device, sampling))
+            results.append(run_hf_continuous(hf_model(), reqs, device, sampling, args.hf_cb_memory))
         except Exception as e:  # report, do not hide: HF's CB support varies by version/device
             results.append(Result("HF continuous batching", 0, float("nan"), float("nan"),
                                   note=f"failed: {type(e).__name__}: {e}"[:120]))
@@ -504,6 +527,9 @@ def main() -> None:
                    help="comma-separated subset of nanokv, hf, hf-cb, vllm")
     p.add_argument("--hf-batch-sizes", default="",
                    help="batch sizes to try for HF generate (default: 8,16,32,64 on CPU; 32,64,128 on GPU)")
+    p.add_argument("--hf-cb-memory", type=float, default=None,
+                   help="fraction of the free memory HF continuous batching takes for its KV cache (default: "
+                        "on a CPU nanokv's default pool, 4 GiB or less; on a GPU transformers' own, 0.8-0.9)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
@@ -528,6 +554,8 @@ def main() -> None:
         p.error(str(e))
 
     device = torch.device("cuda" if cuda else "cpu")
+    if args.hf_cb_memory is None and not cuda:
+        args.hf_cb_memory = cpu_kv_budget_fraction()
     with tempfile.TemporaryDirectory(prefix="nanokv-bench-") as scratch:
         try:
             model_dir, args.label = resolve_model(args, scratch)
