@@ -683,7 +683,8 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Generate for every line of a JSONL file; resumable; "
                                      "data parallel under torchrun.")
     io = gen.add_argument_group("input and output")
-    io.add_argument("--model", required=True, help="Hugging Face model directory")
+    io.add_argument("--model", required=True,
+                    help="Hugging Face model directory, .gguf file or built-in name (smollm2)")
     io.add_argument("--input", required=True, help="JSONL, one request per line")
     io.add_argument("--output", required=True, help="JSONL results (errors go to <stem>.errors.jsonl)")
     io.add_argument("--window", type=_positive_int, default=1024,
