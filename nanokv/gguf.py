@@ -106,18 +106,13 @@ def _require_gguf(path: str) -> None:
                          "(nanokv's gguf extra)")
 
 
-def _split(path: str) -> tuple[str, str]:
-    directory, name = os.path.split(os.path.abspath(path))
-    return directory, name
-
-
 def load_config(path: str):
     """transformers' config for the file, with `architectures` set (a GGUF config has none)."""
     _require_gguf(path)
     from transformers import AutoConfig
 
     supported = ", ".join(ARCHITECTURES)
-    directory, name = _split(path)
+    directory, name = os.path.split(os.path.abspath(path))
     try:
         config = AutoConfig.from_pretrained(directory, gguf_file=name)
     except Exception as e:  # an architecture transformers cannot read, a damaged file
@@ -134,7 +129,7 @@ def load_tokenizer(path: str):
     _require_gguf(path)
     from transformers import AutoTokenizer
 
-    directory, name = _split(path)
+    directory, name = os.path.split(os.path.abspath(path))
     try:
         return AutoTokenizer.from_pretrained(directory, gguf_file=name)
     except Exception as e:
