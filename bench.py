@@ -1,13 +1,17 @@
 """Throughput of nanokv against Hugging Face generate, side by side in one run.
 
-    python bench.py                                  # --workload cpu --shape cpu-small on a CPU
-    python bench.py --workload nano --shape qwen3-0.6b   # nano-vllm's workload, on a GPU
-    python bench.py --model /path/to/model --json
+    python bench.py                                  # on a CPU: SmolLM2, workloads cpu and chat
+    python bench.py --workload nano --shape qwen3-0.6b   # nano-vllm's workload (the GPU default)
+    python bench.py --model /path/to/model --workload cpu --json
 
-Every engine runs the same requests (random token ids, EOS ignored, fixed seed) in this
-process and is credited only with the output tokens each request asked for: HF generate
-has to run each padded batch to its longest request, and that is its real cost. Ratios
-are against HF generate's best batch size, so drifting machine speed cancels out.
+Every engine runs the same requests (EOS ignored, fixed seeds) in this process and is
+credited only with the output tokens each request asked for: HF generate has to run each
+padded batch to its longest request, and that is its real cost. Ratios are against HF
+generate's best batch size, so drifting machine speed cancels out. Workloads: random
+token ids decoded greedily (nano, cpu, tiny), or chat-shaped prompts sampled with
+temperature 0.8 and top_p 0.95, one seed per request (chat, chat-tiny). A GGUF model
+(such as the built-in smollm2) is dequantized once into a temporary float32 copy that
+every engine loads.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import importlib.util
 import json
 import os
 import random
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -30,13 +35,33 @@ WORKLOADS = {
     "cpu": dict(num_requests=64, prompt=(16, 256), output=(16, 160)),
     # a quick look (CI smoke runs)
     "tiny": dict(num_requests=8, prompt=(4, 32), output=(4, 16)),
+    # chat-shaped and sampled: a shared system prompt and varied user turns rendered with the
+    # model's chat template (their lengths come from the text), SAMPLING, one seed per request
+    "chat": dict(num_requests=64, output=(16, 160), chat=True),
+    "chat-tiny": dict(num_requests=8, output=(4, 16), chat=True),
 }
+SAMPLING = dict(temperature=0.8, top_p=0.95)  # the chat workloads' sampling
+
+SYSTEM_PROMPT = (
+    "You are a friendly and knowledgeable assistant for a public library's help desk. Answer "
+    "questions clearly and accurately in plain English, keep answers short unless asked for "
+    "detail, use examples where they help, say so when you are unsure, and never make up "
+    "facts, titles or quotations. If a question is ambiguous, answer the most likely reading.")
+_TASKS = ["Explain {} to a ten-year-old.", "Give me three practical tips about {}.",
+          "Write a short poem about {}.", "What are the pros and cons of {}?",
+          "Summarize the history of {} in a few sentences.", "How would you teach {} to a beginner?",
+          "Write a very short story that involves {}.", "What are common misconceptions about {}?"]
+_SUBJECTS = ["photosynthesis", "the French Revolution", "black holes", "sourdough baking",
+             "compound interest", "the immune system", "plate tectonics", "jazz improvisation",
+             "machine learning", "the water cycle", "chess openings", "renewable energy",
+             "the Roman Empire", "sleep", "volcanoes", "public speaking"]
 
 
 @dataclass
 class Request:
     prompt: list[int]
     max_tokens: int
+    seed: int | None = None  # sampled workloads: the request's own seed
 
 
 @dataclass
@@ -57,6 +82,8 @@ def workload_spec(name: str, num_requests: int | None = None, prompt: str | None
                   output: str | None = None) -> dict:
     """WORKLOADS[name], with any of its numbers replaced: lengths as "LO-HI" or "N"."""
     spec = dict(WORKLOADS[name])
+    if prompt is not None and spec.get("chat"):
+        raise ValueError(f"--prompt-lens does not apply to {name}: its prompts are rendered conversations")
     if num_requests is not None:
         if num_requests < 1:
             raise ValueError(f"--num-requests must be at least 1, got {num_requests}")
@@ -75,16 +102,28 @@ def workload_spec(name: str, num_requests: int | None = None, prompt: str | None
     return spec
 
 
-def make_workload(name: str | dict, vocab: int, seed: int = 0) -> list[Request]:
-    """Requests of a named workload (or a spec from workload_spec): prompt and output
-    lengths uniform in their ranges, token ids uniform in [0, vocab)."""
+def make_workload(name: str | dict, vocab: int, seed: int = 0, tokenizer=None) -> list[Request]:
+    """Requests of a named workload (or a spec from workload_spec): output lengths uniform in
+    their range; prompts of token ids uniform in [0, vocab) with lengths uniform in theirs,
+    or, for chat workloads, conversations rendered with the tokenizer's chat template."""
     spec = WORKLOADS[name] if isinstance(name, str) else name
     rng = random.Random(seed)
     reqs = []
     for _ in range(spec["num_requests"]):
-        n = rng.randint(*spec["prompt"])
-        reqs.append(Request([rng.randrange(vocab) for _ in range(n)], rng.randint(*spec["output"])))
+        if spec.get("chat"):
+            prompt = chat_prompt(tokenizer, rng.choice(_TASKS).format(rng.choice(_SUBJECTS)))
+            reqs.append(Request(prompt, rng.randint(*spec["output"]), seed=rng.randrange(2**31)))
+        else:
+            n = rng.randint(*spec["prompt"])
+            reqs.append(Request([rng.randrange(vocab) for _ in range(n)], rng.randint(*spec["output"])))
     return reqs
+
+
+def chat_prompt(tokenizer, user: str) -> list[int]:
+    """The shared system prompt and one user turn, as the chat template renders them."""
+    conversation = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
 
 
 # ---- memory -----------------------------------------------------------------------------
@@ -115,6 +154,20 @@ def peak_gib(device: torch.device) -> float:
     return float("nan")
 
 
+def cpu_kv_budget_fraction() -> float | None:
+    """nanokv's default CPU KV pool budget (4 GiB, at most half the free RAM) as a fraction of
+    the free RAM: HF continuous batching's cache gets the same budget (by default it takes
+    most of the RAM, and allocating it takes longer than small workloads run)."""
+    from nanokv.runner.kv_cache import _CPU_DEFAULT_BUDGET
+
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+    return min(0.5, _CPU_DEFAULT_BUDGET / free)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -122,7 +175,7 @@ def sync(device: torch.device) -> None:
 
 # ---- engines ----------------------------------------------------------------------------
 
-def run_nanokv(model_dir: str, reqs: list[Request], device: torch.device, args) -> Result:
+def run_nanokv(model_dir: str, reqs: list[Request], device: torch.device, args, sampling: dict | None = None) -> Result:
     from nanokv import LLM, SamplingParams
 
     reset_peak(device)
@@ -131,7 +184,8 @@ def run_nanokv(model_dir: str, reqs: list[Request], device: torch.device, args) 
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     max_len = max(len(r.prompt) + r.max_tokens for r in reqs)
     llm = LLM(model_dir, max_model_len=max(max_len, 64), **kwargs)
-    params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+    params = [SamplingParams(**(sampling or dict(temperature=0)), seed=r.seed, max_tokens=r.max_tokens,
+                             ignore_eos=True) for r in reqs]
     warm = make_workload("tiny", 1000, seed=12345)[:2]  # other tokens: no prefix-cache help
     llm.generate([r.prompt for r in warm], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     runner = llm.llm_engine.runner
@@ -161,8 +215,10 @@ def load_hf(model_dir: str, device: torch.device, dtype: torch.dtype):
 
 
 @torch.inference_mode()
-def run_hf_generate(model, reqs: list[Request], device: torch.device, batch_sizes: list[int]) -> Result:
-    """Padded static batches, prompts sorted by length; the best batch size wins."""
+def run_hf_generate(model, reqs: list[Request], device: torch.device, batch_sizes: list[int],
+                    sampling: dict | None = None) -> Result:
+    """Padded static batches, prompts sorted by length; the best batch size wins. Sampled
+    workloads sample with one seed per batch (generate has no per-request seeds)."""
     order = sorted(range(len(reqs)), key=lambda i: len(reqs[i].prompt))
     best, tried = None, {}
     for bs in batch_sizes:
@@ -178,8 +234,10 @@ def run_hf_generate(model, reqs: list[Request], device: torch.device, batch_size
                 ids[row, width - len(r.prompt):] = torch.tensor(r.prompt)
                 mask[row, width - len(r.prompt):] = 1
             longest = max(r.max_tokens for r in batch)
+            if sampling:
+                torch.manual_seed(batch[0].seed)
             model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest,
-                           min_new_tokens=longest, do_sample=False)
+                           min_new_tokens=longest, do_sample=bool(sampling), **(sampling or {}))
         sync(device)
         res = Result("HF generate", sum(r.max_tokens for r in reqs), time.perf_counter() - start,
                      peak_gib(device), note=f"batch {bs} (best of {', '.join(map(str, batch_sizes))})",
@@ -192,13 +250,28 @@ def run_hf_generate(model, reqs: list[Request], device: torch.device, batch_size
 
 
 @torch.inference_mode()
-def run_hf_continuous(model, reqs: list[Request], device: torch.device) -> Result:
-    """transformers' continuous batching manager, each request with its own max_new_tokens."""
+def run_hf_continuous(model, reqs: list[Request], device: torch.device, sampling: dict | None = None,
+                      max_memory_percent: float | None = None) -> Result:
+    """transformers' continuous batching manager, each request with its own max_new_tokens
+    (sampled workloads: one seed for the run; the manager has no per-request seeds). Its KV
+    cache takes max_memory_percent of the free memory (None: transformers' default). Timed
+    from the first request to the last result: the cache allocation and warm-up are set-up,
+    like nanokv's LLM(...)."""
+    import copy
+
+    from transformers import ContinuousBatchingConfig
+
+    config = copy.deepcopy(model.generation_config)
+    if sampling:
+        config.update(do_sample=True, **sampling)
+    cb_config = ContinuousBatchingConfig(max_memory_percent=max_memory_percent,
+                                         seed=reqs[0].seed if sampling else None)
     reset_peak(device)
-    sync(device)
-    start = time.perf_counter()
     done = 0
-    with model.continuous_batching_context_manager(block=True, timeout=5) as manager:
+    with model.continuous_batching_context_manager(generation_config=config, continuous_batching_config=cb_config,
+                                                   block=True, timeout=5) as manager:
+        sync(device)
+        start = time.perf_counter()
         for i, r in enumerate(reqs):
             manager.add_request(r.prompt, request_id=str(i), max_new_tokens=r.max_tokens)
         tokens = 0
@@ -209,9 +282,10 @@ def run_hf_continuous(model, reqs: list[Request], device: torch.device) -> Resul
                 tokens += len(result.generated_tokens)
             elif result is None and not manager.is_running():
                 raise RuntimeError("HF continuous batching stopped early")
-    sync(device)
+        sync(device)
+        seconds = time.perf_counter() - start
     useful = min(tokens, sum(r.max_tokens for r in reqs))
-    return Result("HF continuous batching", useful, time.perf_counter() - start, peak_gib(device))
+    return Result("HF continuous batching", useful, seconds, peak_gib(device))
 
 
 def run_vllm(model_dir: str, reqs: list[Request], device: torch.device) -> Result:
@@ -240,12 +314,13 @@ def model_dims(hf_config) -> dict:
                 linear_params=layers * per_layer, head_params=vocab * h, past_attention_params=past_attention)
 
 
-def workload_flops(dims: dict, reqs: list[Request]) -> float:
+def workload_flops(dims: dict, reqs: list[Request], hit_tokens: int = 0) -> float:
     """Matmul FLOPs nanokv must do: every prompt token and every generated token but the
     last goes through the layers, except that of the prompt only the last token needs the
     last layer's o_proj and MLP; attention over its context; the LM head once per
-    generated token."""
-    flops = 0.0
+    generated token. Prompt tokens found in the prefix cache (hit_tokens) skip the layers'
+    projections."""
+    flops = -2.0 * (dims["linear_params"] - dims["past_attention_params"]) * hit_tokens
     attn = 4 * dims["layers"] * dims["heads"] * dims["head_dim"]  # QK^T and PV, per (query, key)
     for r in reqs:
         computed = len(r.prompt) + r.max_tokens - 1
@@ -293,7 +368,7 @@ def machine_rate(dims: dict, dtype: torch.dtype, device: torch.device) -> float:
 def roofline(dims: dict, reqs: list[Request], nanokv: Result, dtype: torch.dtype, device: torch.device,
              rate: float) -> dict:
     if device.type == "cpu":
-        flops = workload_flops(dims, reqs)
+        flops = workload_flops(dims, reqs, nanokv.extra["kv"]["prefix_hit_tokens"])
         floor = flops / rate
         return dict(kind="FLOPs / measured GEMM rate", flops=flops, rate=rate, floor_seconds=floor,
                     percent=100 * floor / nanokv.seconds)
@@ -323,93 +398,67 @@ def keep_faster(best: Result, again: Result) -> Result:
 
 # ---- main -------------------------------------------------------------------------------
 
-def resolve_model(args) -> str:
+def resolve_model(args, scratch: str) -> tuple[str, str]:
+    """(the directory every engine loads, its label in the report). A GGUF file (or a
+    built-in name such as smollm2) is dequantized once into `scratch`."""
     if args.model:
-        return args.model
+        from nanokv.gguf import find_gguf, resolve_model as resolve_name, save_dequantized
+
+        gguf_file = find_gguf(resolve_name(args.model))
+        if gguf_file is None:
+            return args.model, args.model
+        return save_dequantized(gguf_file, os.path.join(scratch, "model")), f"{args.model} (GGUF, dequantized)"
     from nanokv.tiny import cached_tiny_checkpoint
 
     dtype = torch.bfloat16 if args.shape in ("qwen3-0.6b", "llama-3.2-1b") else torch.float32
-    return cached_tiny_checkpoint(args.shape, dtype=dtype)
+    return cached_tiny_checkpoint(args.shape, dtype=dtype), f"random {args.shape}"
 
 
-def main() -> None:
-    cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default="nano" if cuda else "cpu")
-    p.add_argument("--num-requests", type=int, help="override the workload's number of requests")
-    p.add_argument("--prompt-lens", help="override the workload's prompt lengths: LO-HI (uniform) or N")
-    p.add_argument("--output-lens", help="override the workload's output lengths: LO-HI (uniform) or N")
-    p.add_argument("--model", help="a Hugging Face model directory")
-    p.add_argument("--shape", default="qwen3-0.6b" if cuda else "cpu-small",
-                   help="random weights of a known shape when --model is not given: "
-                        "qwen3-0.6b, llama-3.2-1b, cpu-small")
-    p.add_argument("--engines", default="nanokv,hf,hf-cb,vllm",
-                   help="comma-separated subset of nanokv, hf, hf-cb, vllm")
-    p.add_argument("--hf-batch-sizes", default="",
-                   help="batch sizes to try for HF generate (default: 8,16,32,64 on CPU; 32,64,128 on GPU)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=1 if cuda else 2,
-                   help="rounds of nanokv and HF generate's best batch size, alternating; each engine "
-                        "reports its fastest (default 2 on CPU, 1 on GPU)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    args = p.parse_args()
-    try:
-        spec = workload_spec(args.workload, args.num_requests, args.prompt_lens, args.output_lens)
-    except ValueError as e:
-        p.error(str(e))
-
-    device = torch.device("cuda" if cuda else "cpu")
-    model_dir = resolve_model(args)
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(model_dir)
-    dims = model_dims(hf_config)
+def run_workload(name: str, spec: dict, model_dir: str, hf_model, tokenizer, dims: dict, device: torch.device,
+                 args, engines: set, sizes: list[int], rate: list) -> dict:
+    """Every engine on one workload; the report of it. `hf_model()` loads the HF model on
+    first use (after nanokv's first run, so that run's peak memory is its own); `rate`
+    holds the machine's measured rate once the first nanokv run has measured it."""
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    reqs = make_workload(spec, min(hf_config.vocab_size, 32000), args.seed)
-    engines = set(args.engines.split(","))
-    sizes = [int(x) for x in args.hf_batch_sizes.split(",") if x] or ([8, 16, 32, 64] if device.type == "cpu" else [32, 64, 128])
-
+    sampling = SAMPLING if spec.get("chat") else None
+    reqs = make_workload(spec, min(dims["vocab"], 32000), args.seed, tokenizer)
     results: list[Result] = []
-    nano = hf = rate = model = None
+    nano = hf = None
     if "nanokv" in engines:
-        nano = run_nanokv(model_dir, reqs, device, args)
+        nano = run_nanokv(model_dir, reqs, device, args, sampling)
         results.append(nano)
-        # the machine's rate is measured now, before the other engines: transformers'
-        # continuous batching leaves memory and threads behind that would skew it
-        rate = machine_rate(dims, dtype, device)
-    if engines & {"hf", "hf-cb"}:
-        model = load_hf(model_dir, device, dtype)
-        if "hf" in engines:
-            hf = run_hf_generate(model, reqs, device, sizes)
-            results.append(hf)
+        if not rate:
+            # the machine's rate is measured now, before the other engines: transformers'
+            # continuous batching leaves memory and threads behind that would skew it
+            rate.append(machine_rate(dims, dtype, device))
+    if "hf" in engines:
+        hf = run_hf_generate(hf_model(), reqs, device, sizes, sampling)
+        results.append(hf)
     # Shared machines drift over minutes: further rounds alternate nanokv and HF generate's
     # best batch size, and each keeps its fastest run.
     for _ in range(args.repeats - 1):
         if nano is not None:
-            keep_faster(nano, run_nanokv(model_dir, reqs, device, args))
+            keep_faster(nano, run_nanokv(model_dir, reqs, device, args, sampling))
         if hf is not None:
-            keep_faster(hf, run_hf_generate(model, reqs, device, [hf.extra["batch_size"]]))
+            keep_faster(hf, run_hf_generate(hf_model(), reqs, device, [hf.extra["batch_size"]], sampling))
     for r in (nano, hf):
         if r is not None and args.repeats > 1:
             r.note = "; ".join(filter(None, [r.note, f"fastest of {args.repeats} runs"]))
-    if model is not None:
-        if "hf-cb" in engines:
-            try:
-                results.append(run_hf_continuous(model, reqs, device))
-            except Exception as e:  # report, do not hide: HF's CB support varies by version/device
-                results.append(Result("HF continuous batching", 0, float("nan"), float("nan"),
-                                      note=f"failed: {type(e).__name__}: {e}"[:120]))
-        del model
+    if "hf-cb" in engines:
+        try:
+            results.append(run_hf_continuous(hf_model(), reqs, device, sampling, args.hf_cb_memory))
+        except Exception as e:  # report, do not hide: HF's CB support varies by version/device
+            results.append(Result("HF continuous batching", 0, float("nan"), float("nan"),
+                                  note=f"failed: {type(e).__name__}: {e}"[:120]))
     if "vllm" in engines and importlib.util.find_spec("vllm") is not None:
         results.append(run_vllm(model_dir, reqs, device))
 
     base = next((r for r in results if r.engine == "HF generate"), None)
-    report = dict(workload=args.workload, num_requests=len(reqs), prompt_lens=list(spec["prompt"]),
-                  output_lens=list(spec["output"]), model=args.model or f"random {args.shape}",
-                  device=torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads",
+    prompt_lens = list(spec["prompt"]) if "prompt" in spec else [min(len(r.prompt) for r in reqs),
+                                                                 max(len(r.prompt) for r in reqs)]
+    report = dict(workload=name, num_requests=len(reqs), prompt_lens=prompt_lens,
+                  output_lens=list(spec["output"]), sampling=sampling or "greedy", model=args.label,
+                  device=torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads",
                   dtype=str(dtype).replace("torch.", ""), torch=torch.__version__, results=[])
     for r in results:
         row = dict(engine=r.engine, output_tokens=r.output_tokens, seconds=round(r.seconds, 2),
@@ -418,15 +467,18 @@ def main() -> None:
                    peak_memory_gib=round(r.peak_memory_gib, 2), note=r.note, **r.extra)
         report["results"].append(row)
     if nano is not None:
-        report["roofline"] = roofline(dims, reqs, nano, dtype, device, rate)
+        report["roofline"] = roofline(dims, reqs, nano, dtype, device, rate[0])
         report["outside_forward_percent"] = 100 * (1 - nano.extra["forward_seconds"] / nano.seconds)
+        report["ms_per_step"] = 1000 * nano.seconds / nano.extra["steps"]
+    return report
 
-    if args.json:
-        print(json.dumps(report, indent=2, default=str))
-        return
-    lens = "prompts {}-{}, outputs {}-{} tokens".format(*spec["prompt"], *spec["output"])
-    print(f"workload {args.workload}: {len(reqs)} requests, {lens}, {report['model']}, {report['device']}, "
-          f"{report['dtype']}, torch {torch.__version__}\n")
+
+def print_report(report: dict) -> None:
+    lens = "prompts {}-{}, outputs {}-{} tokens".format(*report["prompt_lens"], *report["output_lens"])
+    sampling = report["sampling"] if report["sampling"] == "greedy" else "sampled ({})".format(
+        ", ".join(f"{k} {v}" for k, v in report["sampling"].items()))
+    print(f"workload {report['workload']}: {report['num_requests']} requests, {lens}, {sampling}, "
+          f"{report['model']}, {report['device']}, {report['dtype']}, torch {report['torch']}\n")
     print("| engine | output tokens | seconds | tok/s | vs HF generate | peak memory (GiB) | note |")
     print("|---|---|---|---|---|---|---|")
     for row in report["results"]:
@@ -434,12 +486,111 @@ def main() -> None:
         tps = f"{row['tok_per_s']:,.0f}" if row["tok_per_s"] else "-"
         print(f"| {row['engine']} | {row['output_tokens']:,} | {row['seconds']:.1f} | {tps} | {ratio} | "
               f"{row['peak_memory_gib']:.2f} | {row['note']} |")
+    nano = next((row for row in report["results"] if row["engine"] == "nanokv"), None)
     if nano is not None:
         rf = report["roofline"]
-        print(f"\nnanokv {nano.extra['kv_summary']}")
-        print(f"nanokv steps {nano.extra['steps']}, backend {nano.extra['backend']}, time outside the model "
-              f"forward {report['outside_forward_percent']:.1f}%")
+        print(f"\nnanokv {nano['kv_summary']}")
+        print(f"nanokv steps {nano['steps']} ({report['ms_per_step']:.1f} ms each), backend {nano['backend']}, "
+              f"time outside the model forward {report['outside_forward_percent']:.1f}%")
         print(f"roofline ({rf['kind']}): floor {rf['floor_seconds']:.1f} s; nanokv reaches {rf['percent']:.0f}% of it")
+
+
+def print_side_by_side(reports: list[dict]) -> None:
+    """One row per engine, one column group per workload."""
+    print("\n| engine | " + " | ".join(f"{r['workload']}: tok/s | vs HF generate" for r in reports) + " |")
+    print("|---|" + "---|---|" * len(reports))
+    engines = list(dict.fromkeys(row["engine"] for r in reports for row in r["results"]))
+    for engine in engines:
+        cells = []
+        for r in reports:
+            row = next((x for x in r["results"] if x["engine"] == engine), None)
+            ok = row is not None and row["tok_per_s"]
+            cells += [f"{row['tok_per_s']:,.0f}" if ok else "-",
+                      f"{row['ratio_to_hf_generate']:.2f}x" if ok and row["ratio_to_hf_generate"] else "-"]
+        print(f"| {engine} | " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="nano" if cuda else "cpu,chat",
+                   help=f"one or several (comma-separated) of {', '.join(WORKLOADS)} "
+                        "(default: cpu,chat on a CPU, nano on a GPU)")
+    p.add_argument("--num-requests", type=int, help="override the workload's number of requests")
+    p.add_argument("--prompt-lens", help="override the workload's prompt lengths: LO-HI (uniform) or N")
+    p.add_argument("--output-lens", help="override the workload's output lengths: LO-HI (uniform) or N")
+    p.add_argument("--model", help="a Hugging Face model directory, a .gguf file or a built-in name "
+                                   "(default on a CPU: smollm2, unless --shape is given)")
+    p.add_argument("--shape", help="random weights of a known shape instead of a model: qwen3-0.6b (the "
+                                   "default on a GPU), llama-3.2-1b, cpu-small")
+    p.add_argument("--engines", default="nanokv,hf,hf-cb,vllm",
+                   help="comma-separated subset of nanokv, hf, hf-cb, vllm")
+    p.add_argument("--hf-batch-sizes", default="",
+                   help="batch sizes to try for HF generate (default: 8,16,32,64 on CPU; 32,64,128 on GPU)")
+    p.add_argument("--hf-cb-memory", type=float, default=None,
+                   help="fraction of the free memory HF continuous batching takes for its KV cache (default: "
+                        "on a CPU nanokv's default pool, 4 GiB or less; on a GPU transformers' own, 0.8-0.9)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1 if cuda else 2,
+                   help="rounds of nanokv and HF generate's best batch size, alternating; each engine "
+                        "reports its fastest (default 2 on CPU, 1 on GPU)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables (with "
+                                                       "several workloads: {\"workloads\": [one per workload]})")
+    args = p.parse_args()
+    names = [w for w in args.workload.split(",") if w]
+    unknown = [w for w in names if w not in WORKLOADS]
+    if unknown or not names:
+        p.error(f"unknown workload {unknown or args.workload!r}; choose from {', '.join(WORKLOADS)}")
+    if args.model and args.shape:
+        p.error("give --model or --shape, not both")
+    if not args.model and not args.shape:
+        args.model, args.shape = (None, "qwen3-0.6b") if cuda else ("smollm2", None)
+    try:
+        specs = [workload_spec(w, args.num_requests, args.prompt_lens, args.output_lens) for w in names]
+    except ValueError as e:
+        p.error(str(e))
+
+    device = torch.device("cuda" if cuda else "cpu")
+    if args.hf_cb_memory is None and not cuda:
+        args.hf_cb_memory = cpu_kv_budget_fraction()
+    with tempfile.TemporaryDirectory(prefix="nanokv-bench-") as scratch:
+        try:
+            model_dir, args.label = resolve_model(args, scratch)
+        except ValueError as e:  # a model that does not resolve: say how to get it
+            p.exit(2, f"bench.py: error: {e}\n")
+        from transformers import AutoConfig, AutoTokenizer
+
+        dims = model_dims(AutoConfig.from_pretrained(model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(model_dir) if any(s.get("chat") for s in specs) else None
+        engines = set(args.engines.split(","))
+        sizes = [int(x) for x in args.hf_batch_sizes.split(",") if x] or (
+            [8, 16, 32, 64] if device.type == "cpu" else [32, 64, 128])
+        loaded = []
+
+        def hf_model():
+            if not loaded:
+                loaded.append(load_hf(model_dir, device, torch.float32 if device.type == "cpu" else torch.bfloat16))
+            return loaded[0]
+
+        rate: list[float] = []
+        reports = []
+        for w, spec in zip(names, specs):
+            reports.append(run_workload(w, spec, model_dir, hf_model, tokenizer, dims, device, args, engines,
+                                        sizes, rate))
+            loaded.clear()  # reloaded for the next workload: nanokv's peak memory stays its own
+
+    if args.json:
+        print(json.dumps(reports[0] if len(reports) == 1 else dict(workloads=reports), indent=2, default=str))
+        return
+    for i, report in enumerate(reports):
+        if i:
+            print()
+        print_report(report)
+    if len(reports) > 1:
+        print_side_by_side(reports)
 
 
 if __name__ == "__main__":

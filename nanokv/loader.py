@@ -1,4 +1,4 @@
-"""safetensors checkpoints (single file or sharded) -> model parameters.
+"""safetensors checkpoints (single file or sharded) and GGUF files -> model parameters.
 
 Every parameter (and every shard of a fused one) must be filled exactly once; a
 missing or unexpected tensor is a ValueError that names it.
@@ -15,6 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from nanokv import kernels
+from nanokv.gguf import GGUFCheckpoint, find_gguf
 from nanokv.layers.linear import OutputBuffer, _Matmul, default_weight_loader
 
 # Buffers some checkpoints carry that the model recomputes itself.
@@ -22,6 +23,8 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def weight_files(model_dir: str) -> list[str]:
+    if (gguf_file := find_gguf(model_dir)) is not None:
+        return [gguf_file]
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -51,7 +54,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     unexpected: list[str] = []
     for path in weight_files(model_dir):
         try:
-            _load_file(path, model_dir, params, expected, tied, packed, loaded, unexpected)
+            _load_file(path, model, model_dir, params, expected, tied, packed, loaded, unexpected)
         except ValueError:
             raise
         except Exception as e:  # a truncated or corrupt file: name it
@@ -65,9 +68,10 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
         raise ValueError(f"checkpoint {model_dir} is missing tensors: {missing[:20]}")
 
 
-def _load_file(path: str, model_dir: str, params, expected, tied: bool, packed, loaded, unexpected) -> None:
-    """Fill the parameters one safetensors file holds."""
-    with safe_open(path, framework="pt", device="cpu") as f:
+def _load_file(path: str, model: nn.Module, model_dir: str, params, expected, tied: bool, packed, loaded,
+               unexpected) -> None:
+    """Fill the parameters one checkpoint file holds."""
+    with _open_checkpoint(path, model, expected) as f:
         for ckpt_name in f.keys():
             if ckpt_name.endswith(_IGNORED_SUFFIXES) or (tied and ckpt_name == "lm_head.weight"):
                 continue
@@ -81,6 +85,13 @@ def _load_file(path: str, model_dir: str, params, expected, tied: bool, packed, 
             loader = getattr(param, "weight_loader", default_weight_loader)
             loader(param, f.get_slice(ckpt_name), shard)  # lazy: a rank reads its part only
             loaded.add((name, shard))
+
+
+def _open_checkpoint(path: str, model: nn.Module, expected):
+    """safe_open, or a GGUF file behind the same keys() / get_slice() (nanokv/gguf.py)."""
+    if path.endswith(".gguf"):
+        return GGUFCheckpoint(path, model.config, [_ckpt_name(name, shard) for name, shard in expected])
+    return safe_open(path, framework="pt", device="cpu")
 
 
 def _map_name(ckpt_name: str, packed: dict[str, str]) -> tuple[str, str | None]:

@@ -53,3 +53,48 @@ def test_workload_overrides():
             assert "--prompt-lens" in str(e)
         else:
             raise AssertionError(bad)
+
+
+def test_bench_greedy_and_sampled_chat_workloads_side_by_side(model_dir):
+    """Two workloads in one run: the greedy random-token one and the sampled chat one
+    (shared system prompt, so nanokv hits its prefix cache), every engine on each."""
+    sys.path.insert(0, ROOT)
+    try:
+        import bench
+    finally:
+        sys.path.remove(ROOT)
+    from transformers import AutoTokenizer
+
+    chat = bench.make_workload("chat-tiny", 1024, tokenizer=AutoTokenizer.from_pretrained(model_dir))
+    assert len({r.seed for r in chat}) == len(chat) and len({tuple(r.prompt) for r in chat}) > 1
+    out = subprocess.run([sys.executable, "bench.py", "--workload", "tiny,chat-tiny", "--model", model_dir,
+                          "--engines", "nanokv,hf,hf-cb", "--hf-batch-sizes", "4", "--repeats", "1",
+                          "--hf-cb-memory", "0.02", "--json"],  # CB takes most of the free RAM by default
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    greedy, sampled = json.loads(out.stdout)["workloads"]
+    assert (greedy["workload"], greedy["sampling"]) == ("tiny", "greedy")
+    assert (sampled["workload"], sampled["sampling"]) == ("chat-tiny", bench.SAMPLING)
+    for report, reqs in ((greedy, bench.make_workload("tiny", 1024)), (sampled, chat)):
+        rows = {r["engine"]: r for r in report["results"]}
+        assert set(rows) == {"nanokv", "HF generate", "HF continuous batching"}
+        expected = sum(r.max_tokens for r in reqs)
+        assert rows["nanokv"]["output_tokens"] == rows["HF generate"]["output_tokens"] == expected
+        assert rows["HF continuous batching"]["output_tokens"] == expected, rows["HF continuous batching"]["note"]
+        assert rows["nanokv"]["ratio_to_hf_generate"] > 0 and report["ms_per_step"] > 0
+    assert {r["engine"]: r for r in sampled["results"]}["nanokv"]["kv"]["prefix_hit_tokens"] > 0
+
+
+def test_chat_workload_refuses_prompt_lengths():
+    sys.path.insert(0, ROOT)
+    try:
+        import bench
+    finally:
+        sys.path.remove(ROOT)
+    try:
+        bench.workload_spec("chat", prompt="10-20")
+    except ValueError as e:
+        assert "rendered conversations" in str(e)
+    else:
+        raise AssertionError("accepted --prompt-lens for a chat workload")
+    assert bench.workload_spec("chat", num_requests=3, output="5") == dict(num_requests=3, output=(5, 5), chat=True)

