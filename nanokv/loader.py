@@ -15,7 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from nanokv import kernels
-from nanokv.layers.linear import OutputBuffer, _Matmul, default_weight_loader
+from nanokv.layers.linear import _Matmul, default_weight_loader
 
 # Buffers some checkpoints carry that the model recomputes itself.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -129,8 +129,8 @@ def enable_cpu_kernels(model: nn.Module) -> None:
             m.use_cpu_kernels()
     # A decoder layer's projection outputs are consumed within the layer (or, the last one,
     # by the next layer's first norm), so each projection shares one buffer across layers.
-    shared: dict[str, OutputBuffer] = {}
+    shared: dict[str, kernels.OutputBuffer] = {}
     for layer in model.model.layers:
         for role, m in layer.named_modules():
             if isinstance(m, _Matmul):
-                m.output_buffer = shared.setdefault(role, OutputBuffer())
+                m.output_buffer = shared.setdefault(role, kernels.OutputBuffer())

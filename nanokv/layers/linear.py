@@ -31,25 +31,11 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class OutputBuffer:
-    """One reusable output tensor, grown on demand. Large fresh CPU tensors are mmapped and
-    page-faulted on every step; a projection whose output is consumed before the same
-    projection of the next layer runs can write into one buffer shared by all layers."""
-
-    def __init__(self):
-        self.data = torch.empty(0)
-
-    def get(self, m: int, n: int) -> torch.Tensor:
-        if self.data.numel() < m * n:
-            self.data = torch.empty(m * n)
-        return self.data[:m * n].view(m, n)
-
-
 class _Matmul(nn.Module):
     """x W^T, through the CPU GEMM kernel once use_cpu_kernels() has packed W, else torch's."""
 
     packed: torch.Tensor | None = None  # kernels.pack_weight(W): W's only copy once packed
-    output_buffer: OutputBuffer | None = None  # where the kernel writes, when it may be reused
+    output_buffer: kernels.OutputBuffer | None = None  # where the kernel writes, when it may be reused
 
     def use_cpu_kernels(self) -> None:
         self.packed = kernels.pack_weight(self.weight.data)

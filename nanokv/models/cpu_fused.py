@@ -8,10 +8,9 @@ from __future__ import annotations
 import torch
 
 from nanokv import kernels
-from nanokv.kernels import ptr
+from nanokv.kernels import OutputBuffer, ptr
 from nanokv.attention.base import AttentionMetadata
 from nanokv.attention.cpu_backend import CpuAttentionState
-from nanokv.layers.linear import OutputBuffer
 
 
 class FusedCpuLayers:
