@@ -11,6 +11,8 @@ block table, fused norm/rotary/activation passes, and a whole decoder layer per 
                      and CPU, the way Triton caches its kernels) and the build
     ffi.py           ctypes: loading the library, argument types, the NkLayer/NkStep structs
     ops.py           the Python wrappers: packing, GEMMs, attention, norms, a decoder layer
+    fused_layers.py  a model's decoder layers as one C call each (built by the model when
+                     the kernel switch, layers/custom_op.py, fuses them)
 
 The library links the libgomp torch already loaded, so both share one OpenMP thread
 pool. Without a compiler, or with NANOKV_CPU_KERNELS=0, `available()` is False and
