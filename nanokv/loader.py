@@ -14,9 +14,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from nanokv import kernels
 from nanokv.gguf import GGUFCheckpoint, find_gguf
-from nanokv.layers.linear import OutputBuffer, _Matmul, default_weight_loader
+from nanokv.layers.linear import default_weight_loader
 
 # Buffers some checkpoints carry that the model recomputes itself.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -115,7 +114,8 @@ def _ckpt_name(name: str, shard: str | None) -> str:
 def build_model(model_cls, hf_config, model_dir: str, dtype: torch.dtype, device: torch.device,
                 max_positions: int, tp=None) -> nn.Module:
     """Instantiate on the target device and dtype (no random init), then load weights
-    (this rank's shard of them)."""
+    (this rank's shard of them). The layers are on torch; the runner switches them to the C
+    kernels (layers/custom_op.py) where those apply."""
     from nanokv.distributed import TP
 
     default_dtype = torch.get_default_dtype()
@@ -126,22 +126,4 @@ def build_model(model_cls, hf_config, model_dir: str, dtype: torch.dtype, device
     finally:
         torch.set_default_dtype(default_dtype)
     load_weights(model, model_dir)
-    model = model.to(device).eval()
-    if dtype == torch.float32 and torch.device(device).type == "cpu" and kernels.available():
-        enable_cpu_kernels(model)
-    return model
-
-
-def enable_cpu_kernels(model: nn.Module) -> None:
-    """Switch every layer with a C path (nanokv/kernels) to it: projections pack their
-    weights for the GEMM kernel; norms, rotary and the activation fuse their passes."""
-    for m in model.modules():
-        if hasattr(m, "use_cpu_kernels"):
-            m.use_cpu_kernels()
-    # A decoder layer's projection outputs are consumed within the layer (or, the last one,
-    # by the next layer's first norm), so each projection shares one buffer across layers.
-    shared: dict[str, OutputBuffer] = {}
-    for layer in model.model.layers:
-        for role, m in layer.named_modules():
-            if isinstance(m, _Matmul):
-                m.output_buffer = shared.setdefault(role, OutputBuffer())
+    return model.to(device).eval()

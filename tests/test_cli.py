@@ -608,11 +608,19 @@ def _children(pid: int) -> list[int]:
 
 
 def _alive(pid: int) -> bool:
+    """Whether any thread of pid still runs: a killed process's main thread can be a zombie
+    (dead, only not reaped) while its other threads are still exiting, and its files (the
+    lock) are closed only when the last one is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, only not reaped
+        tasks = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:
         return False
+    for task in tasks:
+        with contextlib.suppress(FileNotFoundError):
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    return True
+    return False
 
 
 def test_a_killed_torchrun_agent_leaves_no_rank_behind_and_resumes(model_dir, llm, tmp_path):

@@ -54,3 +54,12 @@ class AttentionBackend:
                 scale: float) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D], caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D]."""
         raise NotImplementedError
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write the new tokens' k, v [T, Hkv, D] into their slots of the paged caches
+    [num_blocks, block_size, Hkv, D] (slot = block * block_size + offset)."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)

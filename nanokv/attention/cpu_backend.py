@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from nanokv import kernels
-from nanokv.attention.base import AttentionBackend, AttentionMetadata
+from nanokv.attention.base import AttentionBackend, AttentionMetadata, store_kv
 
 
 @dataclass
@@ -46,9 +46,7 @@ class CpuBackend(AttentionBackend):
         meta.backend_state = CpuAttentionState(rows, ctx.contiguous(), meta.block_tables.contiguous())
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         st = meta.backend_state
         out = torch.empty_like(q)  # [T, Hq, D]
         kernels.paged_attention(q.contiguous(), k_cache, v_cache, st.tables, st.rows, st.ctx, meta.max_seq_len,

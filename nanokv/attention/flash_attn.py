@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
-from nanokv.attention.base import AttentionBackend, AttentionMetadata
+from nanokv.attention.base import AttentionBackend, AttentionMetadata, store_kv
 
 
 @dataclass
@@ -39,9 +39,7 @@ class FlashAttnBackend(AttentionBackend):
                                           max(meta.seq_lens_cpu[nd:]))
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)  # [T, Hq, D]
         nd = meta.num_decodes
         if nd:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanokv.attention.base import AttentionBackend, AttentionMetadata
+from nanokv.attention.base import AttentionBackend, AttentionMetadata, store_kv
 
 _GROWTH = 1.5  # a group's longest context may be this many times its shortest ...
 _MIN_GROUP = 8  # ... once it holds this many sequences
@@ -68,9 +68,8 @@ class TorchRefBackend(AttentionBackend):
                       mask[:, None], dest, max_q)
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         gqa = q.shape[1] != num_kv_heads
         out = torch.empty_like(q)  # [T, Hq, D]
         for g in meta.backend_state:

@@ -51,12 +51,16 @@ class LMHead(_Matmul):
         else:
             self.weight, _ = vocab_parallel_param(vocab_size, dim, tp)
 
-    def use_cpu_kernels(self) -> None:
+    def prepare_cpu(self, choice):
         if not self.tied:
-            return super().use_cpu_kernels()
+            return super().prepare_cpu(choice)
         # the embedding still needs its rows: the packed panels are a second copy
         self.packed = kernels.pack_weight(self.weight.data)
         self.out_features = self.weight.shape[0]
+        return self.forward_cpu
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab / tp] fp32
-        return self.matmul(hidden).float()
+    def forward_native(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab / tp] fp32
+        return F.linear(hidden, self.weight).float()
+
+    def forward_cpu(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._gemm(hidden).float()

@@ -13,6 +13,7 @@ from torch import nn
 
 from nanokv import kernels
 from nanokv.distributed import TP
+from nanokv.layers.custom_op import CustomOp
 
 
 def _check_shape(param_name: str, expected, got) -> None:
@@ -31,34 +32,21 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class OutputBuffer:
-    """One reusable output tensor, grown on demand. Large fresh CPU tensors are mmapped and
-    page-faulted on every step; a projection whose output is consumed before the same
-    projection of the next layer runs can write into one buffer shared by all layers."""
-
-    def __init__(self):
-        self.data = torch.empty(0)
-
-    def get(self, m: int, n: int) -> torch.Tensor:
-        if self.data.numel() < m * n:
-            self.data = torch.empty(m * n)
-        return self.data[:m * n].view(m, n)
-
-
-class _Matmul(nn.Module):
-    """x W^T, through the CPU GEMM kernel once use_cpu_kernels() has packed W, else torch's."""
+class _Matmul(CustomOp):
+    """x W^T: torch's GEMM (forward_native), or the CPU GEMM kernel on W packed once
+    (forward_cpu)."""
 
     packed: torch.Tensor | None = None  # kernels.pack_weight(W): W's only copy once packed
-    output_buffer: OutputBuffer | None = None  # where the kernel writes, when it may be reused
+    output_buffer: kernels.OutputBuffer | None = None  # where the kernel writes, when it may be reused
 
-    def use_cpu_kernels(self) -> None:
+    def prepare_cpu(self, choice):
         self.packed = kernels.pack_weight(self.weight.data)
         self.out_features = self.weight.shape[0]
         self.weight = None  # one copy of the weights, not two
+        return self.forward_cpu
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight, bias)
+    def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] -> [..., out_features] through the kernel."""
         flat, out = self._kernel_io(x)
         return kernels.linear(flat, self.packed, self.out_features, bias, out).view(*x.shape[:-1], self.out_features)
 
@@ -77,8 +65,11 @@ class Linear(_Matmul):
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gemm(x, self.bias)
 
 
 class PackedLinear(Linear):
@@ -109,20 +100,18 @@ class PackedLinear(Linear):
 class GateUpLinear(PackedLinear):
     """The fused [gate | up] projection of a gated MLP. With the CPU kernels and a SiLU
     model (fuse_silu), silu_and_mul() applies SiLU(gate) * up inside the GEMM (gate and up
-    rows packed side by side), so the [T, 2I] intermediate is never materialised; other
+    rows packed side by side), so the [T, 2I] intermediate is never materialised; that
+    packing serves silu_and_mul only (the MLP calls it instead of forward). Other
     activations get the plain [T, 2I] product."""
-
-    fused_silu = False  # the CPU kernels apply SiLU(gate) * up (silu_and_mul)
 
     def __init__(self, in_features: int, intermediate_per_rank: tuple[int, int, int], bias: bool = False,
                  fuse_silu: bool = True):
         super().__init__(in_features, {"gate_proj": intermediate_per_rank, "up_proj": intermediate_per_rank}, bias)
         self.fuse_silu = fuse_silu
 
-    def use_cpu_kernels(self) -> None:
+    def prepare_cpu(self, choice):
         if not self.fuse_silu:
-            return super().use_cpu_kernels()
-        self.fused_silu = True
+            return super().prepare_cpu(choice)
         i = self.output_sizes[0]
         w = self.weight.data
         self.packed = kernels.pack_gate_up(w[:i], w[i:])
@@ -131,6 +120,10 @@ class GateUpLinear(PackedLinear):
             self.packed_bias = kernels.pack_gate_up(b[:i, None], b[i:, None])
         self.out_features = i
         self.weight = None
+        return self._no_plain_product
+
+    def _no_plain_product(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("gate_up_proj is packed for silu_and_mul(): the [T, 2I] product is not kept")
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, I]
         flat, out = self._kernel_io(x)
@@ -156,6 +149,21 @@ class RowParallelLinear(_Matmul):
                      loaded.get_shape())
         param.data.copy_(loaded[:, self.in_start:self.in_start + param.shape[1]])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self.matmul(x))
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(self._gemm(x))
+        return y + self.bias if self.bias is not None else y
+
+
+def share_output_buffers(layers: nn.ModuleList) -> None:
+    """A decoder layer's projection outputs are consumed within the layer (or, the last
+    one's, by the next layer's first norm), so each projection, by its name in the layer,
+    writes into one buffer shared across the layers (CPU kernels)."""
+    shared: dict[str, kernels.OutputBuffer] = {}
+    for layer in layers:
+        for role, m in layer.named_modules():
+            if isinstance(m, _Matmul):
+                m.output_buffer = shared.setdefault(role, kernels.OutputBuffer())

@@ -6,30 +6,29 @@ import torch
 from torch import nn
 
 from nanokv import kernels
+from nanokv.layers.custom_op import CustomOp
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CustomOp):
+    """RMSNorm(x); with residual: (RMSNorm(x + residual), x + residual), the sum becoming
+    the next residual (fused in one pass on the CPU kernels)."""
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
-        self.cpu_kernels = False
 
-    def use_cpu_kernels(self) -> None:
-        self.cpu_kernels = True
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """RMSNorm(x); with residual: (RMSNorm(x + residual), x + residual), the sum
-        becoming the next residual (fused in one pass on the CPU kernels)."""
-        if self.cpu_kernels:
-            if residual is None:
-                return kernels.rmsnorm(x.contiguous(), self.weight, self.eps)
-            residual = residual.contiguous()
-            return kernels.rmsnorm(x.contiguous(), self.weight, self.eps, residual), residual
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return kernels.rmsnorm(x.contiguous(), self.weight, self.eps)
+        residual = residual.contiguous()
+        return kernels.rmsnorm(x.contiguous(), self.weight, self.eps, residual), residual
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -45,6 +45,9 @@ def inverse_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(nn.Module):
     def __init__(self, hf_config, head_dim: int, max_positions: int):
         super().__init__()
+        if head_dim % 2:  # the torch path failed at the first step, the C kernel would misread cos/sin
+            raise ValueError(f"head_dim={head_dim} in config.json is odd: rotary embeddings rotate pairs of "
+                             "dimensions, so nanokv needs an even head_dim")
         inv_freq, scaling = inverse_frequencies(hf_config, head_dim)
         freqs = torch.arange(max_positions, device="cpu").float()[:, None] * inv_freq[None, :]  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]

@@ -13,16 +13,17 @@ from nanokv import kernels
 from nanokv.attention.base import AttentionMetadata
 from nanokv.config import model_head_dim
 from nanokv.distributed import TP
+from nanokv.kernels.fused_layers import FusedCpuLayers
 from nanokv.layers.activation import SILU_NAMES, check_activation, gated_activation
 from nanokv.layers.attention import Attention
+from nanokv.layers.custom_op import CustomOp
 from nanokv.layers.embedding import LMHead, VocabParallelEmbedding
-from nanokv.layers.linear import GateUpLinear, PackedLinear, RowParallelLinear
+from nanokv.layers.linear import GateUpLinear, PackedLinear, RowParallelLinear, share_output_buffers
 from nanokv.layers.norm import RMSNorm
 from nanokv.layers.rotary import RotaryEmbedding
-from nanokv.models.cpu_fused import FusedCpuLayers
 
 
-class DecoderAttention(nn.Module):
+class DecoderAttention(CustomOp):
     """Heads split across tensor-parallel ranks; KV heads too, or replicated when there
     are fewer KV heads than ranks."""
 
@@ -41,33 +42,40 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
-        self.cpu_kernels = False
 
-    def use_cpu_kernels(self) -> None:
-        self.cpu_kernels = self.head_dim % 2 == 0
-
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_native(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata,
+                       keep: torch.Tensor | None = None) -> torch.Tensor:
         """[T, hidden] -> [T, hidden], or [len(keep), hidden]: o_proj of the kept rows only."""
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
         q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.cpu_kernels:  # q/k norm and rotary in one pass over the rows
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None, 0.0)
-            q, k = kernels.qk_norm_rope(qkv.contiguous(), self.num_heads, self.num_kv_heads, self.head_dim,
-                                        *norms, *(r.view(T, -1) for r in rope))
-        else:
-            q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
-            k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = RotaryEmbedding.apply(q, k, *rope)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = RotaryEmbedding.apply(q, k, *rope)
+        o = self.attn(q, k, v, meta).reshape(T, -1)  # [T, Hq * D]
+        return self.o_proj(o if keep is None else o[keep])
+
+    def prepare_cpu(self, choice):
+        self._qk_norms = ((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None
+                          else (None, None, 0.0))
+        return self.forward_cpu
+
+    def forward_cpu(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata,
+                    keep: torch.Tensor | None = None) -> torch.Tensor:
+        """forward_native with q/k norm and rotary in one pass over the rows."""
+        T = x.shape[0]
+        qkv = self.qkv_proj(x).contiguous()  # [T, (Hq + 2 Hkv) D]
+        v = qkv.split(self.qkv_proj.output_sizes, dim=-1)[2].view(T, self.num_kv_heads, self.head_dim)
+        q, k = kernels.qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, *self._qk_norms,
+                                    *(r.view(T, -1) for r in rope))  # [T, Hq, D], [T, Hkv, D]
         o = self.attn(q, k, v, meta).reshape(T, -1)  # [T, Hq * D]
         return self.o_proj(o if keep is None else o[keep])
 
 
-class MLP(nn.Module):
+class MLP(CustomOp):
     def __init__(self, hidden: int, intermediate: int, tp: TP, bias: bool, act: str = "silu"):
         super().__init__()
         start, per_rank = tp.split(intermediate)
@@ -76,10 +84,15 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, tp, bias=bias)
         self.act = gated_activation(act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj.fused_silu:  # CPU kernels: SiLU runs in the GEMM
-            return self.down_proj(self.gate_up_proj.silu_and_mul(x))
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+    def prepare_cpu(self, choice):
+        # other activations: the GEMMs on the kernels, the activation in torch
+        return self.forward_cpu if self.gate_up_proj.fuse_silu else self.forward_native
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:  # SiLU runs in the gate/up GEMM
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class DecoderLayer(nn.Module):
@@ -106,7 +119,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class DecoderModel(nn.Module):
+class DecoderModel(CustomOp):
     def __init__(self, cfg, max_positions, tp, qkv_bias, o_bias, qk_norm, mlp_bias):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
@@ -115,28 +128,30 @@ class DecoderModel(nn.Module):
             DecoderLayer(cfg, tp, qkv_bias, o_bias, qk_norm, mlp_bias)
             for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # one C call per layer: one rank, and SiLU (the activation the C layer applies)
-        self.can_fuse = tp.size == 1 and check_activation(cfg) in SILU_NAMES
-        self.fused = None  # FusedCpuLayers, once the CPU kernels are on (one rank only)
-        self._fuse = False
+        self.fused_layers: FusedCpuLayers | None = None  # one C call per layer, when the switch fuses them
 
-    def use_cpu_kernels(self) -> None:
-        # built at first use: the layers pack their weights after this runs
-        self._fuse = self.can_fuse
-
-    def forward(self, input_ids, positions, meta, keep=None):
+    def forward_native(self, input_ids, positions, meta, keep=None):
         """[T] token ids -> final hidden states [T, hidden], or of the rows keep lists (in its
         order) when given: the runner keeps the rows it computes logits for."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary.lookup(positions, x.dtype)
-        if self._fuse and FusedCpuLayers.applies(meta):
-            if self.fused is None:
-                self.fused = FusedCpuLayers(self)
-            return self.norm(*self.fused.forward(x, rope, meta, keep))[0]
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(rope, x, residual, meta, keep if i == len(self.layers) - 1 else None)
         return self.norm(x, residual)[0]
+
+    def prepare_cpu(self, choice):
+        share_output_buffers(self.layers)
+        if not choice.fused_layers:
+            return self.forward_native  # layer by layer, each on its kernels
+        self.fused_layers = FusedCpuLayers(self)  # the layers below have packed their weights
+        return self.forward_cpu
+
+    def forward_cpu(self, input_ids, positions, meta, keep=None):
+        """forward_native, the decoder layers as one C call each."""
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary.lookup(positions, x.dtype)
+        return self.norm(*self.fused_layers.forward(x, rope, meta, keep))[0]
 
 
 class LlamaForCausalLM(nn.Module):

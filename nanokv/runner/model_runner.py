@@ -14,6 +14,7 @@ from nanokv.config import EngineConfig
 from nanokv.distributed import TP
 from nanokv.engine.types import ScheduledBatch, ScheduledSeq, StepOutput, TokenLogprobs
 from nanokv.layers.attention import Attention
+from nanokv.layers.custom_op import choose_kernels
 from nanokv.layers.sampler import Sampler, SamplerOutput, SamplingTensors, seed_for_token
 from nanokv.loader import build_model
 from nanokv.models import get_model_class
@@ -52,8 +53,11 @@ class ModelRunner:
         hf = config.hf_config
         self.model = build_model(get_model_class(config.architecture), hf, config.model,
                                  config.dtype, self.device, config.max_model_len, tp)
+        # the C kernels or torch, for every layer at once (compiles them on first use)
+        self.kernels = choose_kernels(config.dtype, self.device, config.attention_backend, hf, tp.size)
+        self.kernels.apply(self.model)
         self.block_size = config.block_size
-        self.backend = get_backend(config.attention_backend)
+        self.backend = get_backend(self.kernels.attention_backend)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         assert len(self.attn_layers) == hf.num_hidden_layers
         for layer in self.attn_layers:

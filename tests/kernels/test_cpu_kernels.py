@@ -206,9 +206,10 @@ def test_fused_layers_equal_the_layer_by_layer_kernels(model_dir):
     for fused in (True, False):
         llm = LLM(model_dir, max_model_len=256, kvcache_block_size=8, max_num_batched_tokens=64)
         decoder = llm.llm_engine.runner.model.model
-        decoder._fuse = fused
+        if not fused:
+            decoder.forward = decoder.forward_native  # layer by layer, on the same kernels
         outs = llm.generate(prompts, params, use_tqdm=False)
-        assert (decoder.fused is not None) == fused
+        assert (decoder.forward == decoder.forward_cpu) == fused
         results.append([(o.outputs[0].token_ids, [{k: v.logprob for k, v in lp.items()} for lp in o.outputs[0].logprobs])
                         for o in outs])
     assert results[0] == results[1]
@@ -224,7 +225,8 @@ def test_last_layer_runs_only_the_rows_that_sample(model_dir, fused):
     llm = LLM(model_dir, max_model_len=256, kvcache_block_size=8)
     runner = llm.llm_engine.runner
     decoder = runner.model.model
-    decoder._fuse = fused
+    if not fused:
+        decoder.forward = decoder.forward_native  # layer by layer, on the same kernels
     params = SamplingParams(temperature=0)
     lens, tables = [37, 5, 20], [[0, 1, 2, 3, 4], [5], [6, 7, 8]]
     seqs = [ScheduledSeq(i, [(11 * i + j) % 500 + 1 for j in range(n)], 0, table, i != 1, params)
@@ -236,7 +238,7 @@ def test_last_layer_runs_only_the_rows_that_sample(model_dir, fused):
         full = runner.model(input_ids, positions, meta)
         kept = runner.model(input_ids, positions, meta, rows)
         none = runner.model(input_ids, positions, meta, torch.empty(0, dtype=torch.long))
-    assert (decoder.fused is not None) == fused
+    assert (decoder.forward == decoder.forward_cpu) == fused
     assert full.shape == (sum(lens), decoder.norm.weight.shape[0])
     assert torch.equal(kept, full[rows])
     assert none.shape == (0, full.shape[1])

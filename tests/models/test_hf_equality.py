@@ -50,7 +50,7 @@ def cpu_path(request, monkeypatch):
     from nanokv import kernels
 
     if request.param == "torch":
-        monkeypatch.setattr(kernels, "available", lambda: False)
+        monkeypatch.setenv("NANOKV_CPU_KERNELS", "0")
     elif not kernels.available():
         pytest.skip("no C compiler: CPU kernels not built")
     return request.param
@@ -60,7 +60,7 @@ def assert_path(llm, path):
     model = llm.llm_engine.runner.model
     assert llm.llm_engine.config.attention_backend == ("cpu" if path == "cpu-kernels" else "torch")
     assert (model.lm_head.packed is not None) == (path == "cpu-kernels")
-    assert model.model._fuse == (path == "cpu-kernels")  # one C call per decoder layer
+    assert (model.model.fused_layers is not None) == (path == "cpu-kernels")  # one C call per decoder layer
 
 
 @pytest.mark.parametrize("shape", SHAPES)

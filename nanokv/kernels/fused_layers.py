@@ -1,17 +1,18 @@
 """The decoder layers of a single-rank Llama-family model on the CPU kernels, one C call
-per layer (kernels.decoder_layer): the same kernels the modules call one by one, without
+per layer (nk_decoder_layer): the same kernels the modules call one by one, without
 returning to Python between them. On a small model a decode step is otherwise mostly
-Python and dispatch overhead."""
+Python and dispatch overhead.
+
+Built by the model when the kernel switch fuses its layers (layers/custom_op.py: one
+rank, SiLU, the cpu attention backend), after every layer has packed its weights."""
 
 from __future__ import annotations
 
 import torch
 
-from nanokv import kernels
-from nanokv.kernels import ptr
 from nanokv.attention.base import AttentionMetadata
-from nanokv.attention.cpu_backend import CpuAttentionState
-from nanokv.layers.linear import OutputBuffer
+from nanokv.kernels.ffi import NkLayer, NkStep, ptr
+from nanokv.kernels.ops import OutputBuffer, decoder_layer
 
 
 class FusedCpuLayers:
@@ -21,10 +22,10 @@ class FusedCpuLayers:
         self.buffers: dict[str, OutputBuffer] = {}
 
     @staticmethod
-    def _describe(layer) -> kernels.NkLayer:
+    def _describe(layer) -> NkLayer:
         attn, mlp = layer.self_attn, layer.mlp
         qkv, o, gu, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
-        return kernels.NkLayer(
+        return NkLayer(
             H=layer.input_layernorm.weight.shape[0], Hq=attn.num_heads, Hkv=attn.num_kv_heads, D=attn.head_dim,
             I=gu.out_features, bs=0, eps=layer.input_layernorm.eps, scale=attn.attn.scale,
             input_norm=ptr(layer.input_layernorm.weight), post_norm=ptr(layer.post_attention_layernorm.weight),
@@ -37,10 +38,6 @@ class FusedCpuLayers:
     def _buffer(self, name: str, rows: int, cols: int) -> torch.Tensor:
         return self.buffers.setdefault(name, OutputBuffer()).get(rows, cols)
 
-    @staticmethod
-    def applies(meta: AttentionMetadata) -> bool:
-        return isinstance(meta.backend_state, CpuAttentionState)
-
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Embeddings x [T, H] -> (last layer's output, residual), both [T, H], or [len(keep), H]
@@ -51,9 +48,9 @@ class FusedCpuLayers:
         first = self.model.layers[0].self_attn
         q_dim, kv_dim = first.num_heads * first.head_dim, first.num_kv_heads * first.head_dim
         inter = self.layers[0].I
-        st: CpuAttentionState = meta.backend_state
+        st = meta.backend_state  # the cpu backend's CpuAttentionState
         cos, sin = (r.reshape(T, -1) for r in rope)
-        step = kernels.NkStep(
+        step = NkStep(
             T=T, width=st.tables.shape[1], max_len=meta.max_seq_len, cos=ptr(cos), sin=ptr(sin),
             slots=ptr(meta.slot_mapping), rows=ptr(st.rows), ctx=ptr(st.ctx), tables=ptr(st.tables),
             normed=ptr(self._buffer("normed", T, H)), qkv=ptr(self._buffer("qkv", T, q_dim + 2 * kv_dim)),
@@ -70,7 +67,7 @@ class FusedCpuLayers:
             cache = layer.self_attn.attn
             desc.k_cache, desc.v_cache = cache.k_cache.data_ptr(), cache.v_cache.data_ptr()
             desc.bs = cache.k_cache.shape[1]
-            kernels.decoder_layer(desc, step, x if i == 0 else hidden, residual, i == 0, i == last, hidden)
+            decoder_layer(desc, step, x if i == 0 else hidden, residual, i == 0, i == last, hidden)
         if not fewer:
             return (hidden, residual) if keep is None else (hidden[keep], residual[keep])
         n = kept.numel()

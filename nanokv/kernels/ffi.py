@@ -1,0 +1,72 @@
+"""Loading the built library through ctypes: argument types, the structs cpu.c shares
+with Python, and the one question callers ask first, available()."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from functools import lru_cache
+
+import torch
+
+from nanokv.kernels import build
+
+logger = logging.getLogger("nanokv")
+
+_P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+
+
+class NkLayer(ctypes.Structure):
+    """struct nk_layer (cpu.c): one decoder layer's sizes, packed weights and KV cache."""
+
+    _fields_ = [(n, _L) for n in ("H", "Hq", "Hkv", "D", "I", "bs")] + [("eps", _F), ("scale", _F)] + [
+        (n, _P) for n in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias",
+                          "gate_up", "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")]
+
+
+class NkStep(ctypes.Structure):
+    """struct nk_step (cpu.c): one step's rotary rows, cache slots, attention metadata and
+    workspace, shared by all layers."""
+
+    _fields_ = [(n, _L) for n in ("T", "width", "max_len")] + [
+        (n, _P) for n in ("cos", "sin", "slots", "rows", "ctx", "tables",
+                          "normed", "qkv", "q", "k", "attn", "o", "act")] + [
+        ("keep_n", _L), ("keep", _P)]
+
+
+@lru_cache(maxsize=1)
+def lib():
+    """The loaded library (built at first call), or None: switched off or not buildable."""
+    if build.switched_off():
+        return None
+    try:
+        lib = ctypes.CDLL(str(build.build()))
+    except Exception as e:  # no compiler, a compile error, an unloadable library
+        logger.warning("nanokv CPU kernels unavailable, using the torch path: %s", e)
+        return None
+    p, i, f = _P, _L, _F
+    lib.nk_linear.argtypes = [p, i, i, p, i, p, p]
+    lib.nk_linear.restype = None
+    lib.nk_paged_attention.argtypes = [p, p, p, p, i, p, p, i, i, i, i, i, f, i, p]
+    lib.nk_paged_attention.restype = None
+    lib.nk_linear_silu_mul.argtypes = [p, i, i, p, i, p, p]
+    lib.nk_linear_silu_mul.restype = None
+    lib.nk_decoder_layer.argtypes = [ctypes.POINTER(NkLayer), ctypes.POINTER(NkStep), p, p, ctypes.c_int,
+                                     ctypes.c_int, p]
+    lib.nk_decoder_layer.restype = None
+    lib.nk_rmsnorm.argtypes = [p, p, i, i, p, f, p]
+    lib.nk_rmsnorm.restype = None
+    lib.nk_qk_norm_rope.argtypes = [p, i, i, i, i, p, p, f, p, p, p, p]
+    lib.nk_qk_norm_rope.restype = None
+    return lib
+
+
+def available() -> bool:
+    """The kernels are switched on (NANOKV_CPU_KERNELS, read on every call) and built:
+    the first call compiles cpu.c unless the cache holds it."""
+    return not build.switched_off() and lib() is not None
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's data pointer for a C argument; None (NULL) for no tensor."""
+    return None if t is None else t.data_ptr()

@@ -1,0 +1,75 @@
+"""One switch between the C kernels (nanokv/kernels) and torch, made once per model.
+
+A layer with a C path is a CustomOp (vLLM's pattern): forward_native is the torch
+implementation (any device, any dtype), forward_cpu the one on the C kernels. At build,
+choose_kernels() decides for the whole model, in one place, and KernelChoice.apply()
+switches every CustomOp over: prepare_cpu() packs its weights and returns the
+implementation `forward` is bound to from then on. No layer tests a flag per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nanokv import kernels
+from nanokv.layers.activation import SILU_NAMES, check_activation
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """C kernels or torch, for one model (the runner keeps it: runner.kernels)."""
+
+    cpu: bool  # every CustomOp runs forward_cpu (the C kernels); else forward_native (torch)
+    fused_layers: bool  # the decoder layers run as one C call each (kernels/fused_layers.py)
+    attention_backend: str  # the config's; "torch" in place of "cpu" when the kernels did not build
+
+    def apply(self, model: nn.Module) -> None:
+        """Switch a freshly loaded model over (nothing to do for torch)."""
+        if not self.cpu:
+            return
+        # children first: a parent's prepare_cpu sees its children packed
+        for m in reversed(list(model.modules())):
+            if isinstance(m, CustomOp):
+                m.use_cpu_kernels(self)
+
+
+def choose_kernels(dtype: torch.dtype, device: torch.device, attention_backend: str, hf_config,
+                   tp_size: int) -> KernelChoice:
+    """The C kernels for float32 on the CPU, when they build (the first call here compiles
+    them; EngineConfig only checked that they could). The decoder layers fuse into one C
+    call each for one rank, SiLU (the activation the C layer applies) and the cpu
+    attention backend (whose metadata the C layer reads)."""
+    cpu = dtype == torch.float32 and device.type == "cpu" and kernels.available()
+    backend = "torch" if attention_backend == "cpu" and not cpu else attention_backend  # available() warned
+    fused = cpu and tp_size == 1 and backend == "cpu" and check_activation(hf_config) in SILU_NAMES
+    return KernelChoice(cpu, fused, backend)
+
+
+class CustomOp(nn.Module):
+    """A layer with a torch and a C-kernel implementation; `forward` is bound to one."""
+
+    cpu_kernels = False  # switched to the C kernels (KernelChoice.apply)
+
+    def __init__(self):
+        super().__init__()
+        self.forward = self.forward_native
+
+    def forward_native(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def forward_cpu(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def prepare_cpu(self, choice: KernelChoice) -> Callable:
+        """Get ready for the C kernels (pack weights, once) and return the implementation
+        to run: forward_cpu, or forward_native for an op whose own C path does not apply
+        (its children still run theirs)."""
+        return self.forward_cpu
+
+    def use_cpu_kernels(self, choice: KernelChoice) -> None:
+        self.forward = self.prepare_cpu(choice)
+        self.cpu_kernels = True
