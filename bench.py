@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from nanokv.config import EngineArgs
+
 WORKLOADS = {
     # nano-vllm's published benchmark
     "nano": dict(num_requests=256, prompt=(100, 1024), output=(100, 1024)),
@@ -408,7 +410,7 @@ def resolve_model(args, scratch: str) -> tuple[str, str]:
         if gguf_file is None:
             return args.model, args.model
         return save_dequantized(gguf_file, os.path.join(scratch, "model")), f"{args.model} (GGUF, dequantized)"
-    from nanokv.tiny import cached_tiny_checkpoint
+    from nanokv.testing.tiny import cached_tiny_checkpoint
 
     dtype = torch.bfloat16 if args.shape in ("qwen3-0.6b", "llama-3.2-1b") else torch.float32
     return cached_tiny_checkpoint(args.shape, dtype=dtype), f"random {args.shape}"
@@ -530,7 +532,7 @@ def main() -> None:
     p.add_argument("--hf-cb-memory", type=float, default=None,
                    help="fraction of the free memory HF continuous batching takes for its KV cache (default: "
                         "on a CPU nanokv's default pool, 4 GiB or less; on a GPU transformers' own, 0.8-0.9)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=EngineArgs().max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--seed", type=int, default=0)

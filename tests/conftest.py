@@ -12,7 +12,7 @@ import torch  # importing torch does not import triton
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from nanokv.tiny import build_tiny_checkpoint
+from nanokv.testing.tiny import build_tiny_checkpoint
 
 # Tiny models gain nothing from intra-op threads, and OpenMP workers that spin while
 # another process holds the cores slow every op down a hundredfold.

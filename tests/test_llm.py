@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from nanokv import LLM, RequestOutput, SamplingParams
-from nanokv.tiny import GENERATION_EOS_TOKEN_IDS
+from nanokv.testing.tiny import GENERATION_EOS_TOKEN_IDS
 
 from .conftest import hf_greedy, random_prompts
 

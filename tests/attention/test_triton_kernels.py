@@ -23,7 +23,7 @@ from nanokv.attention.base import AttentionMetadata  # noqa: E402
 from nanokv.attention.torch_ref import TorchRefBackend  # noqa: E402
 from nanokv.attention.triton_backend import TritonBackend  # noqa: E402
 from nanokv.attention.triton_kernels import choose_num_splits, reshape_and_cache, tile_shape  # noqa: E402
-from nanokv.tiny import GENERATION_EOS_TOKEN_IDS  # noqa: E402
+from nanokv.testing.tiny import GENERATION_EOS_TOKEN_IDS  # noqa: E402
 
 from ..conftest import hf_greedy, random_prompts  # noqa: E402
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from nanokv import LLM, SamplingParams
-from nanokv.tiny import GENERATION_EOS_TOKEN_IDS
+from nanokv.testing.tiny import GENERATION_EOS_TOKEN_IDS
 
 from ..conftest import hf_greedy, random_prompts
 
