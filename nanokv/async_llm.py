@@ -67,10 +67,10 @@ class FinishedRequestStats:
 class IterationStats:
     """What one engine step delivered to the streams (for metrics)."""
 
-    num_prompt_tokens: int = 0  # prompts of the requests whose first token came
+    num_prompt_tokens: int = 0  # prompts of the requests whose first tokens came
     num_generation_tokens: int = 0
-    time_to_first_tokens: list[float] = field(default_factory=list)
-    inter_token_latencies: list[float] = field(default_factory=list)  # one per request and step
+    time_to_first_tokens: list[float] = field(default_factory=list)  # streaming requests only
+    inter_token_latencies: list[float] = field(default_factory=list)  # one per streaming request and step
     finished: list[FinishedRequestStats] = field(default_factory=list)
 
 
@@ -78,6 +78,7 @@ class IterationStats:
 class _Timing:
     arrival: float
     num_prompt_tokens: int
+    stream: bool  # deltas each step; else one output at the end (no first-token time)
     first_token: float | None = None
     last_token: float = 0.0
     num_generation_tokens: int = 0
@@ -95,7 +96,7 @@ class RequestStream:
         self._llm = llm
         self.request_ids = [r.request_id for r in requests]
         self._unfinished = set(self.request_ids)
-        self._timing = {r.request_id: _Timing(arrival, len(r.prompt_token_ids)) for r in requests}
+        self._timing = {r.request_id: _Timing(arrival, len(r.prompt_token_ids), r.stream) for r in requests}
         self._items: list[RequestOutput] = []
         self._ready = asyncio.Event()
         self._error: BaseException | None = None
@@ -140,8 +141,9 @@ class RequestStream:
         if new:
             if t.first_token is None:
                 t.first_token = now
-                stats.time_to_first_tokens.append(now - t.arrival)
                 stats.num_prompt_tokens += t.num_prompt_tokens
+                if t.stream:
+                    stats.time_to_first_tokens.append(now - t.arrival)
             else:
                 stats.inter_token_latencies.append(now - t.last_token)
             t.last_token = now
@@ -258,13 +260,15 @@ class AsyncLLM:
 
     # ---- requests (event loop) ---------------------------------------------------------
     def make_request(self, prompt: PromptType, params: SamplingParams | None = None,
-                     request_id: str | None = None) -> RequestState:
+                     request_id: str | None = None, *, stream: bool = True) -> RequestState:
         """Validate and tokenize one request in the caller (ValueError on bad input); no
-        engine state changes. Its outputs will be streaming deltas."""
+        engine state changes. stream=True: its outputs are deltas, one per step that moves
+        it; False: one output when it finishes (the engine then does no per-step text work
+        for it, and metrics get no first-token or inter-token times from it)."""
         self._check_alive()
         if request_id is None:
             request_id = f"{self._id_prefix}-{next(self._ids)}"
-        return self.engine.make_request(prompt, params, request_id, stream=True)
+        return self.engine.make_request(prompt, params, request_id, stream=stream)
 
     def check_room(self, num_seqs: int) -> None:
         """Raise if num_seqs more sequences would exceed max_waiting: ValueError when they

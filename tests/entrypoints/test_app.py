@@ -156,3 +156,31 @@ def test_serve_without_the_extra_names_the_pip_command(monkeypatch, capsys):
     assert main(["serve", "/nonexistent"]) == 2
     err = capsys.readouterr().err
     assert "fastapi" in err and "pip install 'nanokv[serve]'" in err
+
+
+def test_a_body_over_the_limit_is_413(offline, monkeypatch):
+    from nanokv.entrypoints.openai import api_server
+
+    monkeypatch.setattr(api_server, "MAX_BODY_BYTES", 1000)
+    llm, app = app_for(offline)
+
+    async def main():
+        llm.start()
+        async with client(app) as http:
+            big = await http.post("/v1/completions", json={"prompt": "x" * 2000})
+            small = await http.post("/v1/completions", json={"prompt": "x" * 10, "max_tokens": 1})
+        llm.shutdown()
+        return big, small
+
+    big, small = run(main())
+    check_error(big, 413, "over 1000 bytes")
+    assert small.status_code == 200
+
+
+def test_serve_flag_errors_exit_2(capsys):
+    assert main(["serve", "/a", "--model", "/b"]) == 2
+    assert "given twice" in capsys.readouterr().err
+    assert main(["serve", "/nonexistent/model"]) == 2
+    assert "nanokv serve: error: " in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--port", "70000"])

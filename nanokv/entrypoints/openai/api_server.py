@@ -41,6 +41,8 @@ from nanokv.entrypoints.openai.serving import OpenAIServing, json_response
 logger = logging.getLogger("nanokv")
 
 MAX_BODY_BYTES = 32 * 2**20  # a prompt of max_model_len tokens is far smaller
+MAX_DEPTH = 32  # JSON nesting: OpenAI's bodies need 5 levels; deeper ones would strain repr() and friends
+OFFLOAD_BYTES = 64 * 2**10  # bodies this big are parsed and tokenized off the event loop
 
 
 @dataclass(frozen=True)
@@ -92,11 +94,13 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await serving.completions(await read_json(request), request)
+        body, big = await read_json(request)
+        return await serving.completions(body, request, offload=big)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await serving.chat(await read_json(request), request)
+        body, big = await read_json(request)
+        return await serving.chat(body, request, offload=big)
 
     created = int(time.time())
     cards = [{"id": name, "object": "model", "created": created, "owned_by": "nanokv",
@@ -133,8 +137,9 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     return app
 
 
-async def read_json(request: Request) -> dict:
-    """The body as a JSON object (APIError 400 otherwise, 413 past MAX_BODY_BYTES)."""
+async def read_json(request: Request) -> tuple[dict, bool]:
+    """The body as a JSON object (APIError 400 otherwise, 413 past MAX_BODY_BYTES), and
+    whether it is big enough to be handled off the event loop."""
     size, chunks = 0, []
     async for chunk in request.stream():
         size += len(chunk)
@@ -145,14 +150,36 @@ async def read_json(request: Request) -> dict:
     if not raw.strip():
         raise bad_request("the body is empty; send a JSON object such as "
                           '{"model": ..., "prompt": "Hello"}')
+    big = len(raw) > OFFLOAD_BYTES
+    body = await asyncio.to_thread(_parse, raw) if big else _parse(raw)
+    if not isinstance(body, dict):
+        raise bad_request(f"the body must be a JSON object, got a JSON {type(body).__name__}; "
+                          'send {"model": ..., ...}')
+    return body, big
+
+
+def _parse(raw: bytes):
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise bad_request(f"the body is not valid JSON ({e}); send a JSON object") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"the body must be a JSON object, got a JSON {type(body).__name__}; "
-                          'send {"model": ..., ...}')
+    if _too_deep(body, MAX_DEPTH):
+        raise bad_request(f"the body nests more than {MAX_DEPTH} levels deep; no field needs that")
     return body
+
+
+def _too_deep(value, limit: int) -> bool:
+    """Whether lists and objects nest deeper than limit (iteratively: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 class BearerAuth:

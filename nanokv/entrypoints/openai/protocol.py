@@ -10,6 +10,7 @@ something it did not ask for.
 from __future__ import annotations
 
 import re
+import reprlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -33,7 +34,12 @@ class APIError(Exception):
         return error_body(self.status, self.message, self.param)
 
 
+_MAX_MESSAGE = 2000  # a message quoting a huge value stays readable
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict:
+    if len(message) > _MAX_MESSAGE:
+        message = message[:_MAX_MESSAGE - 3] + "..."
     return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"),
                       "param": param, "code": status}}
 
@@ -174,9 +180,15 @@ def param_of(message: str, names: dict[str, str]) -> str | None:
 
 # ---- helpers -----------------------------------------------------------------------------------
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlist = _REPR.maxdict = 6
+_REPR.maxlevel = 3
+
+
 def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    """A short repr, however big or deep the value."""
+    return _REPR.repr(value)
 
 
 def _get(body: dict, name: str, kinds, what: str, default=None):

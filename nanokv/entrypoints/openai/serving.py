@@ -1,9 +1,11 @@
 """/v1/completions and /v1/chat/completions: a validated request becomes engine requests
-on the AsyncLLM, whose deltas become OpenAI's response, or SSE chunks when streamed.
+on the AsyncLLM; their outputs become OpenAI's response, or SSE chunks when streamed.
 
-Both answers are built from the same deltas, so a streamed request's concatenated text is
-the non-streamed text. The stream of a request is closed (its unfinished requests
-aborted) whenever the HTTP request ends: finished, failed, cancelled, or disconnected.
+A streamed request gets the engine's deltas (whose concatenation is the whole text, the
+output processor's rule); a non-streamed one asks the engine for its finished output only,
+so the engine does no per-step text work for it. The stream of a request is closed (its
+unfinished requests aborted) whenever the HTTP request ends: finished, failed,
+cancelled, or disconnected.
 """
 
 from __future__ import annotations
@@ -102,18 +104,22 @@ class OpenAIServing:
         self.model_names = model_names
         self.token_text = TokenText(llm.tokenizer)
 
-    async def completions(self, body: dict, request: Request) -> Response:
-        return await self._serve(parse_completion(body, self.model_names), False, request)
+    async def completions(self, body: dict, request: Request, *, offload: bool = False) -> Response:
+        """offload: validate and tokenize in a worker thread (a big body must not stall
+        the event loop; the tokenizer and make_request are safe there)."""
+        return await self._serve(body, False, request, offload)
 
-    async def chat(self, body: dict, request: Request) -> Response:
-        return await self._serve(parse_chat(body, self.model_names, self.llm.tokenizer), True, request)
+    async def chat(self, body: dict, request: Request, *, offload: bool = False) -> Response:
+        return await self._serve(body, True, request, offload)
 
     # ---- the request -------------------------------------------------------------------------
-    async def _serve(self, gen: GenerationRequest, chat: bool, request: Request) -> Response:
+    async def _serve(self, body: dict, chat: bool, request: Request, offload: bool) -> Response:
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            self.llm.check_room(len(gen.prompts) * gen.params.n)  # before tokenizing a big batch
-            reqs = self._make_requests(gen, response_id)
+            if offload:
+                gen, reqs = await asyncio.to_thread(self._prepare, body, chat, response_id)
+            else:
+                gen, reqs = self._prepare(body, chat, response_id)
             stream = self.llm.add(reqs)
         except QueueFullError as e:
             raise APIError(503, str(e), headers={"Retry-After": "1"}) from None
@@ -138,11 +144,18 @@ class OpenAIServing:
             return Response(status_code=499)
         return json_response(answer.result(outputs))
 
+    def _prepare(self, body: dict, chat: bool, response_id: str) -> tuple[GenerationRequest, list[RequestState]]:
+        """The body, validated, as engine requests (nothing queued yet)."""
+        gen = (parse_chat(body, self.model_names, self.llm.tokenizer) if chat
+               else parse_completion(body, self.model_names))
+        self.llm.check_room(len(gen.prompts) * gen.params.n)  # before tokenizing a big batch
+        return gen, self._make_requests(gen, response_id)
+
     def _make_requests(self, gen: GenerationRequest, response_id: str) -> list[RequestState]:
         reqs = []
         for i, prompt in enumerate(gen.prompts):
             try:
-                reqs.append(self.llm.make_request(prompt, gen.params, f"{response_id}-{i}"))
+                reqs.append(self.llm.make_request(prompt, gen.params, f"{response_id}-{i}", stream=gen.stream))
             except ValueError as e:
                 message = rename_fields(str(e), gen.param_names)
                 param = param_of(message, gen.param_names)
