@@ -197,6 +197,9 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}  # request id -> stream; event loop only
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
+        # CUDA's current device is per thread: the engine thread takes the one the engine
+        # was built under (kernels launch on the current device)
+        self._cuda_device = _current_cuda_device(engine.config.device)
         # engine thread only
         self._sink: list[RequestOutput] = []  # every request's outputs land here
         self._live: set[str] = set()  # requests in the engine
@@ -376,6 +379,10 @@ class AsyncLLM:
     # ---- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
         try:
+            if self._cuda_device is not None:
+                import torch
+
+                torch.cuda.set_device(self._cuda_device)
             self._serve()
         except EngineDeadError as e:
             logger.error("the engine is dead: %s", e)
@@ -475,6 +482,14 @@ class AsyncLLM:
     def _die(self, reason: str) -> None:
         self._dead = reason
         self._in_loop(self._fail_streams, EngineDeadError(reason))
+
+
+def _current_cuda_device(device) -> int | None:
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.current_device()
 
 
 def _error_output(request_id: str, reason: str) -> RequestOutput:

@@ -35,18 +35,19 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         labels, values = ["model_name"], [model_name]
         reg = self.registry
-        self.prompt_tokens = Counter("nanokv:prompt_tokens", "Prompt tokens of requests that started "
-                                     "generating (once per prompt, as usage counts them)", labels,
-                                     registry=reg).labels(*values)
-        self.generation_tokens = Counter("nanokv:generation_tokens", "Generated tokens", labels,
+        self.prompt_tokens = Counter("nanokv:prompt_tokens", "Prompt tokens, once per prompt as usage counts "
+                                     "them, at a request's first output", labels, registry=reg).labels(*values)
+        self.generation_tokens = Counter("nanokv:generation_tokens", "Generated tokens, as outputs arrive", labels,
                                          registry=reg).labels(*values)
         success = Counter("nanokv:request_success", "Finished samples by finish reason (n samples of "
                           "a request count n; aborted ones are not counted)", labels + ["finished_reason"],
                           registry=reg)
         self.request_success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
-        self.ttft = Histogram("nanokv:time_to_first_token_seconds", "Time from arrival to the first token",
+        self.ttft = Histogram("nanokv:time_to_first_token_seconds", "Time from arrival to the first token "
+                              "(streamed requests)",
                               labels, buckets=_TTFT_BUCKETS, registry=reg).labels(*values)
-        self.itl = Histogram("nanokv:inter_token_latency_seconds", "Time between two steps' tokens of a request",
+        self.itl = Histogram("nanokv:inter_token_latency_seconds", "Time between two steps' tokens of a "
+                             "streamed request",
                              labels, buckets=_ITL_BUCKETS, registry=reg).labels(*values)
         self.e2e = Histogram("nanokv:e2e_request_latency_seconds", "Time from arrival to the last token",
                              labels, buckets=_E2E_BUCKETS, registry=reg).labels(*values)
