@@ -183,6 +183,10 @@ class AsyncLLM:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.config = engine.config
+        # Requests are tokenized in the callers' threads while the engine thread decodes:
+        # read-only use of a fast tokenizer is thread-safe, but its first encode may reset
+        # truncation or padding set by tokenizer.json (a write): do that once, here.
+        engine.tokenizer("warm up")
         self.max_waiting = max_waiting
         self.stat_loggers: list = []
         self._cond = threading.Condition()

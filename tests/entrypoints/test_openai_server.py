@@ -332,11 +332,11 @@ def test_metrics_parse_and_add_up(server, client):
     before = assert_idle(server)
     usages = []
     shared = " ".join(PROMPTS) * 2  # over two KV blocks: the second request hits the prefix cache
-    for i in range(2):
+    for _ in range(2):
         usages.append(client.completions.create(model=MODEL, prompt=shared, max_tokens=5, temperature=0).usage)
     usages.append(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=7, temperature=0).usage)
-    for chunk in client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=9, extra_body={"ignore_eos": True},
-                                           stream=True, stream_options={"include_usage": True}):
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=9, stream=True,
+                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
         if chunk.usage:
             usages.append(chunk.usage)
     for chunk in client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, stream=True,
