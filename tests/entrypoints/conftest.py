@@ -52,8 +52,9 @@ class Server:
                 env=server_env(), stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
             if self._wait_healthy(timeout):
                 return self
-            if self.proc.poll() is None:
-                self.stop()
+            alive = self.proc.poll() is None
+            self.stop()
+            if alive:  # not a lost port race: it hung
                 break
         raise RuntimeError(f"the server did not start:\n{self.read_log()}")
 
@@ -92,7 +93,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
-        self.log.close()
+        if not self.log.closed:
+            self.log.close()
 
 
 @pytest.fixture
