@@ -3,7 +3,7 @@
 from nanokv.outputs import RequestOutput
 from nanokv.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput"]
 __version__ = "0.1.0"
 
 
@@ -13,4 +13,8 @@ def __getattr__(name):
         from nanokv.llm import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        from nanokv.async_llm import AsyncLLM
+
+        return AsyncLLM
     raise AttributeError(f"module 'nanokv' has no attribute {name!r}")

@@ -3,10 +3,14 @@ report's ratios, token counts and roofline are filled in (timings are never asse
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import subprocess
 import sys
+
+pytestmark = pytest.mark.slow  # subprocesses / whole benchmark runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -529,6 +529,7 @@ def _env():
     return env
 
 
+@pytest.mark.slow
 def test_kill_mid_run_and_resume_gives_every_id_once(model_dir, llm, tmp_path, capsys):
     rows = [{"id": f"p{i}", "prompt_token_ids": p} for i, p in enumerate(random_prompts([3, 9, 5] * 20, 1024, seed=3))]
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
@@ -568,6 +569,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_equal_one(model_dir, tmp_path):
     rows = mixed_rows()
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
@@ -623,6 +625,7 @@ def _alive(pid: int) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_a_killed_torchrun_agent_leaves_no_rank_behind_and_resumes(model_dir, llm, tmp_path):
     # long outputs: each rank has seconds of work left when its agent dies
     rows = [{"id": f"p{i}", "prompt_token_ids": p} for i, p in enumerate(random_prompts([3, 9, 5] * 2, 1024, seed=4))]
@@ -662,6 +665,7 @@ def test_a_killed_torchrun_agent_leaves_no_rank_behind_and_resumes(model_dir, ll
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "out.jsonl"]
 
 
+@pytest.mark.slow
 def test_a_rank_that_cannot_rendezvous_gives_up_after_the_rendezvous_timeout(tmp_path, monkeypatch, capsys):
     inp = write_jsonl(tmp_path / "in.jsonl", mixed_rows())
     for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",

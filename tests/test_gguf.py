@@ -209,6 +209,7 @@ def test_missing_package_names_the_install_command(monkeypatch):
         LLM("smollm2")
 
 
+@pytest.mark.slow
 def test_tensor_parallel_slices_of_a_gguf(gguf_file):
     """Each rank dequantizes and un-permutes whole tensors, then takes its slices: TP=2
     generates what TP=1 does (Llama: 8 heads over 2 KV heads, untied head)."""

@@ -14,6 +14,8 @@ from nanokv.testing.tiny import GENERATION_EOS_TOKEN_IDS
 
 from .conftest import hf_greedy, random_prompts
 
+pytestmark = pytest.mark.slow  # subprocesses / whole benchmark runs
+
 PROMPTS = random_prompts([1, 6, 19, 40, 75], 1024, seed=13)
 MAX_TOKENS = [10, 14, 6, 12, 9]
 

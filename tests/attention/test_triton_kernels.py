@@ -201,6 +201,7 @@ def run_python(code: str, **env_changes) -> None:
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
 
+@pytest.mark.slow
 def test_torch_backend_never_imports_triton(checkpoint):
     # a fresh interpreter: in this one transformers' generate (the HF oracle) has loaded it
     run_python(f"""
@@ -238,6 +239,7 @@ build(tk._reshape_and_cache_kernel,
 """
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_sm90_without_a_gpu():
     run_python(COMPILE_FOR_SM90, TRITON_INTERPRET=None)
 

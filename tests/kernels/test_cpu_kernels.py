@@ -161,6 +161,7 @@ def test_gate_up_gemm_with_silu_epilogue(m, k, i, with_bias):
     assert torch.isfinite(got).all()
 
 
+@pytest.mark.slow
 def test_without_a_compiler_everything_falls_back_to_torch(tmp_path):
     """No compiler on PATH: available() is False, auto picks the torch backend, and the
     model runs (and still matches) on the torch path."""
@@ -178,6 +179,7 @@ def test_without_a_compiler_everything_falls_back_to_torch(tmp_path):
     assert "CPU kernels unavailable" in out.stderr
 
 
+@pytest.mark.slow
 def test_disabled_by_environment(tmp_path):
     code = "from nanokv import kernels\nprint(kernels.available())\n"
     env = dict(os.environ, NANOKV_CPU_KERNELS="0", NANOKV_CACHE_DIR=str(tmp_path))
@@ -186,6 +188,7 @@ def test_disabled_by_environment(tmp_path):
     assert not any(tmp_path.rglob("*.so"))
 
 
+@pytest.mark.slow
 def test_built_once_into_the_cache(tmp_path):
     code = "from nanokv import kernels\nprint(kernels.available())\n"
     env = dict(os.environ, NANOKV_CACHE_DIR=str(tmp_path))

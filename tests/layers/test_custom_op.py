@@ -25,6 +25,7 @@ def run_python(code: str, **env) -> subprocess.CompletedProcess:
 
 
 @needs_kernels
+@pytest.mark.slow
 def test_building_a_config_compiles_nothing(model_dir, tmp_path):
     """EngineArgs.create_engine_config picks the cpu backend by looking for a compiler, not by running it:
     no compiler run, no library built or loaded until the kernels are asked for."""
@@ -71,6 +72,7 @@ def test_every_layer_follows_the_one_choice(model_dir, monkeypatch, on):
 
 
 @needs_kernels
+@pytest.mark.slow
 def test_kernels_that_do_not_build_fall_back_to_torch(model_dir, monkeypatch, tmp_path):
     """A compiler that is found but fails: auto still resolves to the cpu backend (nothing
     compiled then); building the model falls back to torch, warns, and gives the tokens

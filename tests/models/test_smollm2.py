@@ -31,7 +31,8 @@ def _missing() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_missing() is not None, reason=f"SmolLM2 tests: {_missing()}")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(_missing() is not None, reason=f"SmolLM2 tests: {_missing()}")]
 
 MAX_TOKENS = 48
 EOS = 2  # <|im_end|>

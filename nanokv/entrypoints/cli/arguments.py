@@ -103,9 +103,53 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty, help="0 = off")
     smp.add_argument("--no-skip-special-tokens", action="store_true", help="keep special tokens in the text")
 
+    _add_serve_parser(sub)
+
     mrg = sub.add_parser("merge", help="merge the part files of a torchrun generate run",
                          description="Append <output>.part-* to the output (skipping ids already "
                                      "there), merge the errors parts, remove the parts.")
     mrg.add_argument("--output", required=True, help="the output the parts belong to")
     mrg.add_argument("--world-size", type=_positive_int, required=True, help="how many ranks wrote parts")
     return parser
+
+
+def _add_serve_parser(sub) -> None:
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install 'nanokv[serve]')",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                         description="Serve a model over HTTP with OpenAI's API: /v1/completions, "
+                                     "/v1/chat/completions, /v1/models, /health, /metrics.")
+    srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                     help="the model (the same as --model; default: --model's default)")
+    http = srv.add_argument_group("server")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    http.add_argument("--port", type=_port, default=8000, help="port to listen on")
+    http.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                      help="the model names clients use (the first is reported in responses); default: MODEL")
+    http.add_argument("--api-key", default=None,
+                      help="require 'Authorization: Bearer <key>' on every /v1 route (unset: $NANOKV_API_KEY "
+                           "if set, else no key)")
+    http.add_argument("--max-waiting", type=_positive_int, default=1024,
+                      help="most sequences (prompts x n) queued for admission; beyond it requests get 503 "
+                           "with Retry-After")
+    http.add_argument("--shutdown-timeout", type=_non_negative_float, default=30.0,
+                      help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they are aborted")
+    http.add_argument("--uvicorn-log-level", default="info",
+                      choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
+    eng = srv.add_argument_group("engine (LLM(...) arguments)")
+    EngineArgs.add_cli_args(eng)
+    eng.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                     help="the same as --no-enable-prefix-caching")
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value

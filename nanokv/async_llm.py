@@ -1,0 +1,505 @@
+"""AsyncLLM: the LLMEngine behind an asyncio front (what the server runs on).
+
+The engine is not thread-safe, so one engine thread owns it: every LLMEngine call that
+changes or reads its state happens there. The thread steps while work exists and waits
+on a condition otherwise (no polling). Coroutines validate their requests themselves
+(make_request: a ValueError comes back at once and nothing is queued) and hand them over
+through a lock-guarded command list; the outputs of each step go back to the event loop
+in one call_soon_threadsafe, which feeds each request's RequestStream. A consumer that
+goes away (a client that disconnects) closes its stream, which aborts its requests: the
+engine thread frees their KV blocks before its next step.
+
+Failures: a request that fails inside a step fails alone (the engine's own rule: its
+stream ends with RequestOutput.error); an unexpected error of a whole step fails the
+requests in the engine at the time and the loop goes on; EngineDeadError (a dead
+tensor-parallel worker, a closed engine) fails every request and stops the loop, after
+which is_alive is False and new requests raise EngineDeadError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from nanokv.config import EngineArgs
+from nanokv.engine.stats import KVStats
+from nanokv.engine.types import EngineDeadError
+from nanokv.llm_engine import LLMEngine, PromptType
+from nanokv.output_processor import RequestState
+from nanokv.outputs import RequestOutput
+from nanokv.sampling_params import SamplingParams
+
+logger = logging.getLogger("nanokv")
+
+
+class QueueFullError(RuntimeError):
+    """More sequences wait for admission than max_waiting allows; retry later."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted for the server's sake (it is shutting down)."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's gauges, read between two steps."""
+
+    num_running: int  # sequences (a request's n samples count n)
+    num_waiting: int  # sequences queued for admission, handed-over ones included
+    kv: KVStats
+
+
+@dataclass(frozen=True)
+class FinishedRequestStats:
+    finish_reasons: tuple[str, ...]  # one per sample: "stop", "length" or "error"
+    e2e_latency: float  # seconds from add to the last output
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    """What one engine step delivered to the streams (for metrics)."""
+
+    num_prompt_tokens: int = 0  # prompts of the requests whose first tokens came
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)  # streaming requests only
+    inter_token_latencies: list[float] = field(default_factory=list)  # one per streaming request and step
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+
+@dataclass
+class _Timing:
+    arrival: float
+    num_prompt_tokens: int
+    stream: bool  # deltas each step; else one output at the end (no first-token time)
+    first_token: float | None = None
+    last_token: float = 0.0
+    num_generation_tokens: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
+
+
+class RequestStream:
+    """The outputs of the requests added together (a completions call with several
+    prompts adds several), deltas in arrival order. Owned by the event loop.
+
+    next_outputs() waits for what has arrived and returns it ([] once every request has
+    finished); close() aborts the unfinished ones (also on leaving `async with`)."""
+
+    def __init__(self, llm: "AsyncLLM", requests: list[RequestState], arrival: float):
+        self._llm = llm
+        self.request_ids = [r.request_id for r in requests]
+        self._unfinished = set(self.request_ids)
+        self._timing = {r.request_id: _Timing(arrival, len(r.prompt_token_ids), r.stream) for r in requests}
+        self._items: list[RequestOutput] = []
+        self._ready = asyncio.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    async def next_outputs(self) -> list[RequestOutput]:
+        while not self._items:
+            if self._error is not None:
+                raise self._error
+            if not self._unfinished:
+                return []
+            self._ready.clear()
+            await self._ready.wait()
+        items, self._items = self._items, []
+        return items
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while outputs := await self.next_outputs():
+            for out in outputs:
+                yield out
+
+    def close(self) -> None:
+        """Abort the requests that have not finished (idempotent)."""
+        if self._unfinished:
+            ids, self._unfinished = list(self._unfinished), set()
+            self._llm.abort(ids)
+        self._ready.set()
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    # ---- fed by AsyncLLM on the event loop ------------------------------------------------
+    def _push(self, out: RequestOutput, now: float, stats: IterationStats) -> None:
+        t = self._timing[out.request_id]
+        new = sum(len(c.token_ids) for c in out.outputs)
+        if new:
+            if t.first_token is None:
+                t.first_token = now
+                stats.num_prompt_tokens += t.num_prompt_tokens
+                if t.stream:
+                    stats.time_to_first_tokens.append(now - t.arrival)
+            else:
+                stats.inter_token_latencies.append(now - t.last_token)
+            t.last_token = now
+            t.num_generation_tokens += new
+            stats.num_generation_tokens += new
+        t.finish_reasons += [c.finish_reason for c in out.outputs if c.finish_reason is not None]
+        if out.finished:
+            reasons = tuple(t.finish_reasons) or ("error",)
+            stats.finished.append(FinishedRequestStats(reasons, now - t.arrival, t.num_prompt_tokens,
+                                                       t.num_generation_tokens))
+            self._unfinished.discard(out.request_id)
+        self._items.append(out)
+        self._ready.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._unfinished = set()
+        self._ready.set()
+
+
+class AsyncLLM:
+    """An LLMEngine driven by a background thread, for asyncio callers.
+
+    >>> llm = AsyncLLM.from_engine_args(EngineArgs(model="path/to/model"))
+    >>> async for delta in llm.generate("Hello", SamplingParams(max_tokens=8)):
+    ...     print(delta.outputs[0].text, end="")
+
+    max_waiting: the most sequences queued for admission (waiting in the scheduler or
+    handed over); add() beyond it raises QueueFullError. None: no bound.
+    stat_loggers: callables given an IterationStats on the event loop after each step.
+    """
+
+    def __init__(self, engine: LLMEngine, *, max_waiting: int | None = None):
+        if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)
+                                        or max_waiting < 1):
+            raise ValueError(f"max_waiting must be an int >= 1 or None, got {max_waiting!r}")
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.config = engine.config
+        # Requests are tokenized in the callers' threads while the engine thread decodes:
+        # read-only use of a fast tokenizer is thread-safe, but its first encode may reset
+        # truncation or padding set by tokenizer.json (a write): do that once, here.
+        engine.tokenizer("warm up")
+        self.max_waiting = max_waiting
+        self.stat_loggers: list = []
+        self._cond = threading.Condition()
+        self._commands: list[tuple[str, object]] = []  # guarded by _cond
+        self._num_handed = 0  # sequences handed over, not yet in the scheduler (guarded by _cond)
+        self._num_engine_waiting = 0  # the scheduler's waiting queue, as of the last step
+        self._stopping = False
+        self._draining = False  # shutting down: no new requests
+        self._dead: str | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, RequestStream] = {}  # request id -> stream; event loop only
+        self._ids = itertools.count()
+        self._id_prefix = uuid.uuid4().hex[:8]
+        # CUDA's current device is per thread: the engine thread takes the one the engine
+        # was built under (kernels launch on the current device)
+        self._cuda_device = _current_cuda_device(engine.config.device)
+        # engine thread only
+        self._sink: list[RequestOutput] = []  # every request's outputs land here
+        self._live: set[str] = set()  # requests in the engine
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kwargs) -> "AsyncLLM":
+        return cls(LLMEngine(args.create_engine_config()), **kwargs)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Bind to the running event loop and start the engine thread (idempotent)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not None and self._loop is not loop:
+            raise RuntimeError("this AsyncLLM already serves another event loop")
+        self._loop = loop
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="nanokv-engine", daemon=True)
+            self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead
+
+    def drain(self, timeout: float) -> None:
+        """Begin a graceful shutdown (on the event loop): refuse new requests, and abort
+        those still unfinished after `timeout` seconds (their streams then raise
+        RequestAbortedError)."""
+        self._draining = True
+        asyncio.get_running_loop().call_later(max(timeout, 0.0), self.abort_all, "the server is shutting down")
+
+    def abort_all(self, reason: str) -> None:
+        """Abort every request; their streams raise RequestAbortedError(reason)."""
+        streams = set(self._streams.values())
+        self.abort(list(self._streams))
+        for stream in streams:
+            stream._fail(RequestAbortedError(reason))
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Abort what is left, stop the engine thread (a step in progress finishes first),
+        then close the engine. Streams still open fail with EngineDeadError."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                logger.warning("the engine thread did not stop within %s s", timeout)
+                return
+        if self._dead is None:
+            self._dead = "the server is shutting down"
+        self._in_loop(self._fail_streams, EngineDeadError(self._dead))
+        try:
+            self.engine.close()
+        except Exception:  # noqa: BLE001 - closing must not raise at exit
+            logger.exception("closing the engine failed")
+
+    # ---- requests (event loop) ---------------------------------------------------------
+    def make_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                     request_id: str | None = None, *, stream: bool = True) -> RequestState:
+        """Validate and tokenize one request in the caller (ValueError on bad input); no
+        engine state changes. stream=True: its outputs are deltas, one per step that moves
+        it; False: one output when it finishes (the engine then does no per-step text work
+        for it, and metrics get no first-token or inter-token times from it)."""
+        self._check_alive()
+        if request_id is None:
+            request_id = f"{self._id_prefix}-{next(self._ids)}"
+        return self.engine.make_request(prompt, params, request_id, stream=stream)
+
+    def check_room(self, num_seqs: int) -> None:
+        """Raise if num_seqs more sequences would exceed max_waiting: ValueError when they
+        never can (more than max_waiting on their own), QueueFullError when not now."""
+        self._check_alive()
+        if self.max_waiting is None:
+            return
+        if num_seqs > self.max_waiting:
+            raise ValueError(f"this request has {num_seqs} sequences (prompts x n), more than the "
+                             f"{self.max_waiting} the server queues (--max-waiting); split it or lower n")
+        waiting = self._num_handed + self._num_engine_waiting
+        if waiting + num_seqs > self.max_waiting:
+            raise QueueFullError(f"{waiting} sequences are waiting and the server queues at most "
+                                 f"{self.max_waiting} (--max-waiting); retry later")
+
+    def add(self, requests: list[RequestState]) -> RequestStream:
+        """Hand validated requests (make_request) to the engine thread; their outputs
+        arrive on the returned stream. QueueFullError / EngineDeadError: nothing added."""
+        if self._loop is None:
+            self.start()
+        num_seqs = sum(len(r.seqs) for r in requests)
+        stream = RequestStream(self, requests, time.monotonic())
+        with self._cond:
+            self._check_alive()
+            if self._stopping or self._draining:
+                raise RequestAbortedError("the server is shutting down; retry on another server")
+            self.check_room(num_seqs)
+            self._num_handed += num_seqs
+            self._commands.append(("add", requests))
+            self._cond.notify()
+        for request_id in stream.request_ids:
+            self._streams[request_id] = stream
+        return stream
+
+    async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield one request's deltas (new text and token ids of each sample that moved);
+        the last has finished=True. Closing the generator early aborts the request (Python
+        closes an abandoned one only when it is collected: wrap it in
+        contextlib.aclosing to abort at once). A request that fails in the engine raises
+        RuntimeError."""
+        stream = self.add([self.make_request(prompt, params, request_id)])
+        async with stream:
+            async for out in stream:
+                if out.error is not None:
+                    raise RuntimeError(f"request failed: {out.error}")
+                yield out
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (unknown or finished ids are ignored); their streams get nothing
+        more and their KV blocks are free before the engine's next step."""
+        for request_id in request_ids:
+            self._streams.pop(request_id, None)
+        with self._cond:
+            if self._dead is None and not self._stopping:
+                self._commands.append(("abort", list(request_ids)))
+                self._cond.notify()
+
+    async def snapshot(self) -> EngineSnapshot:
+        """The engine's gauges, read by the engine thread between steps."""
+        future = asyncio.get_running_loop().create_future()
+        with self._cond:
+            if not self.is_alive or self._stopping:  # nobody steps the engine (or soon): read it here
+                return self._snapshot()
+            self._commands.append(("snapshot", future))
+            self._cond.notify()
+        return await future
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    # ---- the event loop side of delivery ----------------------------------------------------
+    def _in_loop(self, fn, *args) -> None:
+        """Run fn(*args) on the event loop soon (from any thread)."""
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is left to tell
+            pass
+
+    def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
+        stats = IterationStats()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # aborted meanwhile
+                continue
+            stream._push(out, now, stats)
+            if out.finished:
+                del self._streams[out.request_id]
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger(stats)
+            except Exception:  # noqa: BLE001 - metrics must not break delivery
+                logger.exception("a stat logger failed")
+
+    def _fail_streams(self, error: BaseException) -> None:
+        streams = set(self._streams.values())
+        self._streams.clear()
+        for stream in streams:
+            stream._fail(error)
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            if self._cuda_device is not None:
+                import torch
+
+                torch.cuda.set_device(self._cuda_device)
+            self._serve()
+        except EngineDeadError as e:
+            logger.error("the engine is dead: %s", e)
+            self._die(str(e))
+        except BaseException as e:  # noqa: BLE001 - a bug here must not leave clients hanging
+            logger.exception("the engine loop stopped")
+            self._die(f"the engine loop stopped: {type(e).__name__}: {e}")
+        finally:  # answer the snapshot requests nobody will serve now
+            with self._cond:
+                self._stopping = True
+                commands, self._commands = self._commands, []
+            for kind, payload in commands:
+                if kind == "snapshot":
+                    self._in_loop(_resolve, payload, self._snapshot())
+
+    def _serve(self) -> None:
+        engine = self.engine
+        busy = False
+        while True:
+            with self._cond:
+                while not (self._commands or busy or self._stopping):
+                    self._cond.wait()
+                commands, self._commands = self._commands, []
+                stopping = self._stopping
+            if commands:
+                self._apply(commands)
+            if stopping:
+                self._abort_live()
+                return
+            if engine.has_unfinished():
+                self._step()
+            busy = engine.has_unfinished()
+
+    def _apply(self, commands: list[tuple[str, object]]) -> None:
+        """Adds, aborts and snapshot requests, in the order they were made (an abort
+        always comes after its add)."""
+        engine, failed = self.engine, []
+        for kind, payload in commands:
+            if kind == "add":
+                for req in payload:
+                    try:
+                        engine.enqueue(req, self._sink)
+                    except EngineDeadError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - it fails alone
+                        failed.append(_error_output(req.request_id, f"the engine refused the request: {e}"))
+                    else:
+                        self._live.add(req.request_id)
+                with self._cond:  # handed over -> in the scheduler, in one move
+                    self._num_handed -= sum(len(req.seqs) for req in payload)
+                    self._num_engine_waiting = len(engine.scheduler.waiting)
+            elif kind == "abort":
+                for request_id in payload:
+                    if request_id in self._live:
+                        self._live.discard(request_id)
+                        engine.abort(request_id)
+            else:  # snapshot
+                self._in_loop(_resolve, payload, self._snapshot())
+        self._num_engine_waiting = len(engine.scheduler.waiting)  # aborts shrink it too
+        if failed:
+            self._in_loop(self._deliver, failed, time.monotonic())
+
+    def _step(self) -> None:
+        engine, sink = self.engine, self._sink
+        try:
+            engine.advance()
+        except EngineDeadError:
+            raise
+        except Exception as e:  # noqa: BLE001 - fail what was running, keep serving
+            logger.exception("an engine step failed; failing the %d requests in the engine", len(self._live))
+            reason = f"the engine failed: {type(e).__name__}: {e}"
+            for out in sink:
+                if out.finished:
+                    self._live.discard(out.request_id)
+            sink += [_error_output(request_id, reason) for request_id in self._live]
+            self._abort_live()
+        self._num_engine_waiting = len(engine.scheduler.waiting)
+        if not sink:
+            return
+        outputs = sink[:]
+        sink.clear()
+        for out in outputs:
+            if out.finished:
+                self._live.discard(out.request_id)
+        self._in_loop(self._deliver, outputs, time.monotonic())
+
+    def _abort_live(self) -> None:
+        for request_id in list(self._live):
+            self.engine.abort(request_id)
+        self._live.clear()
+
+    def _snapshot(self) -> EngineSnapshot:
+        scheduler = self.engine.scheduler
+        return EngineSnapshot(len(scheduler.running), len(scheduler.waiting) + self._num_handed,
+                              self.engine.kv_stats())
+
+    def _die(self, reason: str) -> None:
+        self._dead = reason
+        self._in_loop(self._fail_streams, EngineDeadError(reason))
+
+
+def _current_cuda_device(device) -> int | None:
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.current_device()
+
+
+def _error_output(request_id: str, reason: str) -> RequestOutput:
+    return RequestOutput(request_id, None, [], [], finished=True, error=reason)
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)

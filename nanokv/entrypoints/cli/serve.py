@@ -1,0 +1,49 @@
+"""`nanokv serve`: check the server extra, turn the flags into EngineArgs and
+ServerSettings, and run the server (nanokv/entrypoints/openai/api_server.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+from nanokv.config import DEFAULT_MODEL, EngineArgs
+from nanokv.entrypoints.cli.common import EXIT_USAGE, InputError, say
+
+_SERVER_MODULES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
+
+
+def missing_server_packages() -> list[str]:
+    missing = []
+    for module, package in _SERVER_MODULES.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a module set to None in sys.modules, a broken install
+            found = False
+        if not found:
+            missing.append(package)
+    return missing
+
+
+def serve(args) -> int:
+    missing = missing_server_packages()
+    if missing:
+        say(f"nanokv serve: error: the server needs {', '.join(missing)}: pip install 'nanokv[serve]'")
+        return EXIT_USAGE
+    model = args.model_tag if args.model_tag is not None else args.model
+    if args.model_tag is not None and args.model not in (DEFAULT_MODEL, args.model_tag):
+        raise InputError(f"the model is given twice, as {args.model_tag!r} and --model {args.model!r}; give it once")
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("nanokv").setLevel(logging.INFO)
+
+    from nanokv.entrypoints.openai.api_server import ServerSettings, run_server
+
+    settings = ServerSettings(
+        model_names=tuple(args.served_model_name or [model]), host=args.host, port=args.port,
+        api_key=args.api_key if args.api_key is not None else os.environ.get("NANOKV_API_KEY") or None,
+        max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout, log_level=args.uvicorn_log_level)
+    try:
+        return run_server(EngineArgs.from_cli_args(args, model=model), settings)
+    except ValueError as e:  # a bad engine flag or model
+        raise InputError(str(e)) from None

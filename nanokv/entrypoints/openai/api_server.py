@@ -1,0 +1,261 @@
+"""`nanokv serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+    POST /v1/completions, POST /v1/chat/completions, GET /v1/models (Bearer-checked
+    with --api-key), GET /health, GET /metrics, GET /version
+
+The engine runs on an AsyncLLM (one engine thread); this module is the HTTP surface:
+body reading, the API key, error objects, and the process's lifecycle (signals,
+graceful shutdown). serving.py builds the answers, protocol.py validates the requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+try:
+    import prometheus_client
+    import uvicorn
+    from fastapi import FastAPI
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+    from starlette.requests import Request
+    from starlette.responses import Response
+except ImportError as e:  # pragma: no cover - the message is the point
+    raise ImportError(f"nanokv serve needs the server extra ({e.name} is missing): "
+                      "pip install 'nanokv[serve]'") from e
+
+import nanokv
+from nanokv.async_llm import AsyncLLM
+from nanokv.config import EngineArgs
+from nanokv.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from nanokv.entrypoints.openai.protocol import APIError, bad_request, error_body
+from nanokv.entrypoints.openai.serving import OpenAIServing, json_response
+
+logger = logging.getLogger("nanokv")
+
+MAX_BODY_BYTES = 32 * 2**20  # a prompt of max_model_len tokens is far smaller
+MAX_DEPTH = 32  # JSON nesting: OpenAI's bodies need 5 levels; deeper ones would strain repr() and friends
+OFFLOAD_BYTES = 64 * 2**10  # bodies this big are parsed and tokenized off the event loop
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the server needs besides the engine arguments."""
+
+    model_names: tuple[str, ...]  # --served-model-name (the first is reported), else the model
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_waiting: int | None = 1024
+    shutdown_timeout: float = 30.0
+    log_level: str = "info"
+
+
+def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
+    """The ASGI app over an AsyncLLM (started in the app's lifespan, shut down after)."""
+    prometheus_client.disable_created_metrics()
+    metrics = ServerMetrics(settings.model_names[0])
+    llm.stat_loggers.append(metrics.record)
+    serving = OpenAIServing(llm, list(settings.model_names))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        llm.start()
+        logger.info("serving %s as %s on http://%s:%d", llm.config.model, ", ".join(settings.model_names),
+                    settings.host, settings.port)
+        yield
+        await asyncio.to_thread(llm.shutdown)
+
+    app = FastAPI(title="nanokv", version=nanokv.__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return json_response(exc.body(), exc.status, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        if exc.status_code == 404:
+            message += "; the routes are /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics"
+        return json_response(error_body(exc.status_code, message), exc.status_code, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> Response:
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return json_response(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), 500)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body, big = await read_json(request)
+        return await serving.completions(body, request, offload=big)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body, big = await read_json(request)
+        return await serving.chat(body, request, offload=big)
+
+    created = int(time.time())
+    cards = [{"id": name, "object": "model", "created": created, "owned_by": "nanokv",
+              "root": llm.config.model, "parent": None, "max_model_len": llm.config.max_model_len}
+             for name in settings.model_names]
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return json_response({"object": "list", "data": cards})
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> Response:
+        for card in cards:
+            if card["id"] == name:
+                return json_response(card)
+        raise APIError(404, f"the model {name!r} is not served here; GET /v1/models lists them", "model")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if llm.is_alive:
+            return Response(status_code=200)
+        return json_response(error_body(503, f"the engine is not running: {llm.dead_reason or 'not started'}"), 503)
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(metrics.render(await llm.snapshot()), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return json_response({"version": nanokv.__version__})
+
+    if settings.api_key:
+        app.add_middleware(BearerAuth, api_key=settings.api_key)
+    return app
+
+
+async def read_json(request: Request) -> tuple[dict, bool]:
+    """The body as a JSON object (APIError 400 otherwise, 413 past MAX_BODY_BYTES), and
+    whether it is big enough to be handled off the event loop."""
+    size, chunks = 0, []
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"the body is over {MAX_BODY_BYTES} bytes; send a smaller request")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise bad_request("the body is empty; send a JSON object such as "
+                          '{"model": ..., "prompt": "Hello"}')
+    big = len(raw) > OFFLOAD_BYTES
+    body = await asyncio.to_thread(_parse, raw) if big else _parse(raw)
+    if not isinstance(body, dict):
+        raise bad_request(f"the body must be a JSON object, got a JSON {type(body).__name__}; "
+                          'send {"model": ..., ...}')
+    return body, big
+
+
+def _parse(raw: bytes):
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise bad_request(f"the body is not valid JSON ({e}); send a JSON object") from None
+    if _too_deep(body, MAX_DEPTH):
+        raise bad_request(f"the body nests more than {MAX_DEPTH} levels deep; no field needs that")
+    return body
+
+
+def _too_deep(value, limit: int) -> bool:
+    """Whether lists and objects nest deeper than limit (iteratively: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
+class BearerAuth:
+    """Every /v1 route needs `Authorization: Bearer <api key>` (pure ASGI, so streaming
+    and disconnects pass through untouched)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = error_body(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                                       "with the server's --api-key")
+                response = json_response(body, 401, {"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# ---- the process ---------------------------------------------------------------------------------
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, whose shutdown (it has stopped listening) first drains the engine:
+    new requests get 503, unfinished ones are aborted after the grace period, so every
+    client gets an answer (an error object, or an SSE error event and [DONE]) instead of
+    a cut connection."""
+
+    def __init__(self, config, llm: AsyncLLM, grace: float):
+        super().__init__(config)
+        self._llm, self._grace = llm, grace
+
+    async def shutdown(self, sockets=None) -> None:
+        self._llm.drain(self._grace)
+        await super().shutdown(sockets=sockets)
+
+
+class _StopRequested(Exception):
+    """SIGTERM or SIGINT before the server runs (while the model loads)."""
+
+
+def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
+    """Load the model, serve until SIGTERM/SIGINT, shut down gracefully. Returns the exit
+    code: 0 after a signal (in-flight requests finished, or aborted after
+    settings.shutdown_timeout), 1 when the server cannot start (a port in use)."""
+    from nanokv.llm_engine import LLMEngine
+
+    state = {"server": None}
+
+    def on_signal(signum, frame):
+        server = state["server"]
+        if server is None:
+            raise _StopRequested
+        server.should_exit = True  # a signal before uvicorn took over the handlers
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        try:
+            engine = LLMEngine(engine_args.create_engine_config())
+        except _StopRequested:
+            print("nanokv serve: stopped while loading the model", file=sys.stderr, flush=True)
+            return 0
+        llm = AsyncLLM(engine, max_waiting=settings.max_waiting)
+        app = build_app(llm, settings)
+        # uvicorn's own grace is a backstop: the app ends its requests after shutdown_timeout
+        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                                timeout_graceful_shutdown=settings.shutdown_timeout + 10, lifespan="on")
+        server = _Server(config, llm, settings.shutdown_timeout)
+        state["server"] = server
+        try:
+            server.run()  # uvicorn handles SIGTERM/SIGINT while it runs, then re-raises them to on_signal
+        finally:
+            llm.shutdown()
+        return 0 if server.started else 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,318 @@
+"""OpenAI request bodies -> what the engine takes, and the error object.
+
+Everything here is validation of a JSON body against OpenAI's (and vLLM's) field names:
+nothing touches the engine. A bad field raises APIError(400) naming the field and the
+fix. Unknown fields are ignored (as vLLM does); known fields nanokv cannot honour are
+accepted only with their "off" value, so that a request is never silently answered as
+something it did not ask for.
+"""
+
+from __future__ import annotations
+
+import re
+import reprlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from nanokv.llm import render_chat
+from nanokv.sampling_params import SamplingParams
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                405: "MethodNotAllowedError", 413: "RequestTooLargeError", 500: "InternalServerError",
+                503: "ServiceUnavailableError"}
+
+
+class APIError(Exception):
+    """An HTTP error with OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param)
+
+
+_MAX_MESSAGE = 2000  # a message quoting a huge value stays readable
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    if len(message) > _MAX_MESSAGE:
+        message = message[:_MAX_MESSAGE - 3] + "..."
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"),
+                      "param": param, "code": status}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+@dataclass
+class GenerationRequest:
+    """A completions or chat request, validated (not yet against the model's limits,
+    which make_request checks)."""
+
+    model: str  # the served name the client asked for
+    prompts: list  # for make_request: str, token ids, or {"prompt", "prompt_token_ids"} (chat)
+    params: SamplingParams
+    stream: bool
+    include_usage: bool  # stream_options.include_usage
+    continuous_usage: bool  # stream_options.continuous_usage_stats (vLLM): usage on every chunk
+    logprobs: int | None  # top-N per token (completions: logprobs; chat: top_logprobs), None: off
+    param_names: dict[str, str]  # SamplingParams field -> the request field it came from
+
+
+# ---- the fields ------------------------------------------------------------------------------
+
+def _off(*values) -> Callable[[Any, dict], bool]:
+    return lambda value, body: value in values
+
+
+# SamplingParams fields taken as they are (None: the default).
+_SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
+             "include_stop_str_in_output", "skip_special_tokens")
+
+# Known fields nanokv does not implement: accepted only when they ask for nothing.
+_UNSUPPORTED_COMMON = {
+    "logit_bias": _off(None, {}),
+    "prompt_logprobs": _off(None),
+    "use_beam_search": _off(None, False),
+    "allowed_token_ids": _off(None),
+    "bad_words": _off(None, []),
+    "logits_processors": _off(None, []),
+    "truncate_prompt_tokens": _off(None),
+    "structured_outputs": _off(None),
+    "guided_json": _off(None), "guided_regex": _off(None), "guided_choice": _off(None),
+    "guided_grammar": _off(None), "guided_decoding_backend": _off(None),
+    "response_format": lambda v, body: v is None or v == {"type": "text"},
+}
+_UNSUPPORTED_COMPLETION = {
+    **_UNSUPPORTED_COMMON,
+    "echo": _off(None, False),
+    "suffix": _off(None, ""),
+    "best_of": lambda v, body: v is None or (v == body.get("n", 1) or (v == 1 and body.get("n") is None)),
+}
+_UNSUPPORTED_CHAT = {
+    **_UNSUPPORTED_COMMON,
+    "echo": _off(None, False),
+    "tools": _off(None, []),
+    "functions": _off(None, []),
+    "tool_choice": lambda v, body: v is None or v == "none" or (v == "auto" and not body.get("tools")),
+    "function_call": lambda v, body: v is None or v == "none" or (v == "auto" and not body.get("functions")),
+    "audio": _off(None),
+    "modalities": lambda v, body: v is None or v == ["text"],
+    "prediction": _off(None),
+    "chat_template": _off(None),
+    "chat_template_kwargs": _off(None, {}),
+    "continue_final_message": _off(None, False),
+    "documents": _off(None),
+    "web_search_options": _off(None),
+}
+
+
+def parse_completion(body: dict, model_names: list[str]) -> GenerationRequest:
+    """POST /v1/completions."""
+    _check_unsupported(body, _UNSUPPORTED_COMPLETION)
+    model = _model(body, model_names)
+    prompts = _prompts(body.get("prompt"))
+    kwargs = _sampling_kwargs(body)
+    # OpenAI's and vLLM's default is 16 tokens; an explicit null means up to max_model_len
+    kwargs["max_tokens"] = body["max_tokens"] if "max_tokens" in body else 16
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        kwargs["logprobs"] = logprobs
+    names = {"max_tokens": "max_tokens", "logprobs": "logprobs"}
+    params = _sampling_params(kwargs, names)
+    stream, include_usage, continuous = _stream(body)
+    return GenerationRequest(model, prompts, params, stream, include_usage, continuous, params.logprobs,
+                             {"prompt": "prompt", **names})
+
+
+def parse_chat(body: dict, model_names: list[str], tokenizer) -> GenerationRequest:
+    """POST /v1/chat/completions; the messages are rendered with the chat template."""
+    _check_unsupported(body, _UNSUPPORTED_CHAT)
+    model = _model(body, model_names)
+    messages = _messages(body.get("messages"))
+    add_generation_prompt = _get(body, "add_generation_prompt", bool, "true or false", True)
+    kwargs = _sampling_kwargs(body)
+    names = {"prompt": "messages"}
+    if body.get("max_completion_tokens") is not None:
+        kwargs["max_tokens"], names["max_tokens"] = body["max_completion_tokens"], "max_completion_tokens"
+    else:
+        kwargs["max_tokens"], names["max_tokens"] = body.get("max_tokens"), "max_tokens"
+    want_logprobs = _get(body, "logprobs", bool, "true or false", False)
+    top = body.get("top_logprobs")
+    if top is not None and not want_logprobs:
+        raise bad_request("top_logprobs needs logprobs: true; set it, or drop top_logprobs", "top_logprobs")
+    if want_logprobs:
+        kwargs["logprobs"] = 0 if top is None else top
+        names["logprobs"] = "top_logprobs"
+    params = _sampling_params(kwargs, names)
+    stream, include_usage, continuous = _stream(body)
+    try:
+        prompt = render_chat(tokenizer, messages, None, add_generation_prompt)
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from None
+    return GenerationRequest(model, [prompt], params, stream, include_usage, continuous, params.logprobs, names)
+
+
+def rename_fields(message: str, names: dict[str, str]) -> str:
+    """A SamplingParams / engine message with the request's field name at its front
+    ('max_tokens must be ...' -> 'max_completion_tokens must be ...')."""
+    for ours, theirs in names.items():
+        if ours != theirs and ours != "prompt" and re.match(rf"{ours}\b", message):
+            return theirs + message[len(ours):]
+    return message
+
+
+def param_of(message: str, names: dict[str, str]) -> str | None:
+    """The request field a validation message is about (it starts with the field's name)."""
+    match = re.match(r"(?:each of )?([a-z_]+)", message)
+    if not match:
+        return None
+    word = match.group(1)
+    if word == "prompt":
+        return names.get("prompt", "prompt")
+    return word if word in names.values() or word in _SAMPLING else None
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlist = _REPR.maxdict = 6
+_REPR.maxlevel = 3
+
+
+def _show(value: Any) -> str:
+    """A short repr, however big or deep the value."""
+    return _REPR.repr(value)
+
+
+def _get(body: dict, name: str, kinds, what: str, default=None):
+    """body[name] if it has the right type; None or absent: the default."""
+    value = body.get(name)
+    if value is None:
+        return default
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise bad_request(f"{name} must be {what}, got {_show(value)}", name)
+    return value
+
+
+def _check_unsupported(body: dict, fields: dict) -> None:
+    for name, harmless in fields.items():
+        if name in body:
+            try:
+                ok = harmless(body[name], body)
+            except TypeError:  # an unhashable or odd value
+                ok = False
+            if not ok:
+                raise bad_request(f"{name}={_show(body[name])} is not supported by nanokv; remove it "
+                                  "(see the README's Server section for what is)", name)
+
+
+def _model(body: dict, names: list[str]) -> str:
+    model = body.get("model")
+    if model is None:
+        return names[0]
+    if not isinstance(model, str):
+        raise bad_request(f"model must be a string, got {_show(model)}", "model")
+    if model not in names:
+        raise bad_request(f"the model {_show(model)} is not served here; use "
+                          f"{' or '.join(repr(n) for n in names)} (GET /v1/models lists them)", "model")
+    return model
+
+
+_PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"
+
+
+def _prompts(prompt) -> list:
+    if prompt is None:
+        raise bad_request(f"prompt is required: {_PROMPT_FORMS}", "prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request(f"prompt must be {_PROMPT_FORMS}, got {_show(prompt)}", "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [prompt]
+    if all(isinstance(p, list) for p in prompt):
+        return list(prompt)  # each checked as token ids by the engine
+    raise bad_request(f"prompt must be {_PROMPT_FORMS} (not a mix), got {_show(prompt)}", "prompt")
+
+
+def _messages(messages) -> list[dict]:
+    """OpenAI messages -> {"role", "content": str} for the chat template; content parts
+    of type "text" are joined with newlines (vLLM's rule for string templates)."""
+    fix = 'send [{"role": "user", "content": "Hi"}, ...]'
+    if messages is None:
+        raise bad_request(f"messages is required; {fix}", "messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request(f"messages must be a non-empty list of messages, got {_show(messages)}; {fix}",
+                          "messages")
+    result = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"{where} must be an object with role and content, got {_show(m)}; {fix}", "messages")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise bad_request(f"{where}.role must be a string such as 'user', got {_show(role)}", "messages")
+        if m.get("tool_calls") or m.get("function_call"):
+            raise bad_request(f"{where} has tool calls, which nanokv does not support", "messages")
+        if "content" not in m:
+            raise bad_request(f"{where} has no content; {fix}", "messages")
+        message = {"role": role, "content": _content(m["content"], where)}
+        if isinstance(m.get("name"), str):
+            message["name"] = m["name"]
+        result.append(message)
+    return result
+
+
+def _content(content, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or a list of text parts, got {_show(content)}",
+                          "messages")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else None
+            why = f"has type {kind!r}; nanokv takes text only" if isinstance(kind, str) and kind != "text" \
+                else 'must be {"type": "text", "text": "..."}'
+            raise bad_request(f"{where}.content[{j}] {why}", "messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _sampling_kwargs(body: dict) -> dict:
+    return {name: body[name] for name in _SAMPLING if body.get(name) is not None}
+
+
+def _sampling_params(kwargs: dict, names: dict[str, str]) -> SamplingParams:
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as e:
+        message = rename_fields(str(e), names)
+        raise bad_request(message, param_of(message, names)) from None
+
+
+def _stream(body: dict) -> tuple[bool, bool, bool]:
+    stream = _get(body, "stream", bool, "true or false", False)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False, False
+    if not stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+    if not isinstance(options, dict):
+        raise bad_request(f"stream_options must be an object, got {_show(options)}", "stream_options")
+    include_usage = _get(options, "include_usage", bool, "true or false", False)
+    continuous = _get(options, "continuous_usage_stats", bool, "true or false", False)
+    return stream, include_usage, continuous

@@ -1,0 +1,345 @@
+"""/v1/completions and /v1/chat/completions: a validated request becomes engine requests
+on the AsyncLLM; their outputs become OpenAI's response, or SSE chunks when streamed.
+
+A streamed request gets the engine's deltas (whose concatenation is the whole text, the
+output processor's rule); a non-streamed one asks the engine for its finished output only,
+so the engine does no per-step text work for it. The stream of a request is closed (its
+unfinished requests aborted) whenever the HTTP request ends: finished, failed,
+cancelled, or disconnected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from nanokv.async_llm import AsyncLLM, QueueFullError, RequestAbortedError, RequestStream
+from nanokv.engine.types import EngineDeadError
+from nanokv.entrypoints.openai.protocol import (
+    APIError, GenerationRequest, bad_request, error_body, param_of, parse_chat, parse_completion, rename_fields)
+from nanokv.output_processor import RequestState
+from nanokv.outputs import CompletionOutput, Logprob
+
+logger = logging.getLogger("nanokv")
+
+_LOGPROB_FLOOR = -9999.0  # what -inf becomes in JSON (vLLM's choice)
+
+
+def dumps(obj) -> bytes:
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate cannot be UTF-8: escape everything
+        return json.dumps(obj, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+def json_response(obj, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(dumps(obj), status_code=status, headers=headers, media_type="application/json")
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+class TokenText:
+    """A token id's own text (special tokens kept), as vLLM reports tokens in logprobs."""
+
+    def __init__(self, tokenizer):
+        self._decode = tokenizer.decode
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._decode([token_id], skip_special_tokens=False)
+        return text
+
+
+def _logprob(value: float) -> float:
+    return _LOGPROB_FLOOR if math.isnan(value) or value < _LOGPROB_FLOOR else float(value)
+
+
+@dataclass
+class _Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens, "prompt_tokens_details": None}
+
+
+@dataclass
+class _Choice:
+    """One sample's deltas, put together (non-streamed answers)."""
+
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, c: CompletionOutput) -> None:
+        self.texts.append(c.text)
+        self.token_ids += c.token_ids
+        self.logprobs += c.logprobs or []
+        if c.finish_reason is not None:
+            self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+
+
+class OpenAIServing:
+    def __init__(self, llm: AsyncLLM, model_names: list[str]):
+        self.llm = llm
+        self.model_names = model_names
+        self.token_text = TokenText(llm.tokenizer)
+
+    async def completions(self, body: dict, request: Request, *, offload: bool = False) -> Response:
+        """offload: validate and tokenize in a worker thread (a big body must not stall
+        the event loop; the tokenizer and make_request are safe there)."""
+        return await self._serve(body, False, request, offload)
+
+    async def chat(self, body: dict, request: Request, *, offload: bool = False) -> Response:
+        return await self._serve(body, True, request, offload)
+
+    # ---- the request -------------------------------------------------------------------------
+    async def _serve(self, body: dict, chat: bool, request: Request, offload: bool) -> Response:
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        try:
+            if offload:
+                gen, reqs = await asyncio.to_thread(self._prepare, body, chat, response_id)
+            else:
+                gen, reqs = self._prepare(body, chat, response_id)
+            stream = self.llm.add(reqs)
+        except QueueFullError as e:
+            raise APIError(503, str(e), headers={"Retry-After": "1"}) from None
+        except EngineDeadError as e:
+            raise APIError(503, f"the engine is not running: {e}") from None
+        except RequestAbortedError as e:
+            raise APIError(503, str(e)) from None
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        answer = _Answer(self, gen, chat, response_id, reqs)
+        if gen.stream:
+            return _EventStream(answer.events(stream), stream.close)
+        try:
+            outputs = await _unless_disconnected(_gather(stream), request)
+        except EngineDeadError as e:
+            raise APIError(503, f"the engine stopped: {e}") from None
+        except RequestAbortedError as e:
+            raise APIError(503, f"the request was aborted: {e}") from None
+        finally:
+            stream.close()
+        if outputs is None:  # the client went away; its requests are aborted
+            return Response(status_code=499)
+        return json_response(answer.result(outputs))
+
+    def _prepare(self, body: dict, chat: bool, response_id: str) -> tuple[GenerationRequest, list[RequestState]]:
+        """The body, validated, as engine requests (nothing queued yet)."""
+        gen = (parse_chat(body, self.model_names, self.llm.tokenizer) if chat
+               else parse_completion(body, self.model_names))
+        self.llm.check_room(len(gen.prompts) * gen.params.n)  # before tokenizing a big batch
+        return gen, self._make_requests(gen, response_id)
+
+    def _make_requests(self, gen: GenerationRequest, response_id: str) -> list[RequestState]:
+        reqs = []
+        for i, prompt in enumerate(gen.prompts):
+            try:
+                reqs.append(self.llm.make_request(prompt, gen.params, f"{response_id}-{i}", stream=gen.stream))
+            except ValueError as e:
+                message = rename_fields(str(e), gen.param_names)
+                param = param_of(message, gen.param_names)
+                raise bad_request(f"prompt {i}: {message}" if len(gen.prompts) > 1 else message, param) from None
+        return reqs
+
+
+async def _gather(stream: RequestStream) -> list:
+    outputs = []
+    while batch := await stream.next_outputs():
+        outputs += batch
+    return outputs
+
+
+async def _unless_disconnected(work, request: Request):
+    """Await work; None (and work cancelled) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        return None
+    finally:
+        task.cancel()
+        watch.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that closes its request stream however the response ends (a
+    client that disconnects cancels it before or while the body is sent)."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class _Answer:
+    """OpenAI's response shapes for one request's deltas: completions or chat, whole or
+    streamed. Choice index = prompt index * n + sample index."""
+
+    def __init__(self, serving: OpenAIServing, gen: GenerationRequest, chat: bool, response_id: str,
+                 reqs: list[RequestState]):
+        self.gen, self.chat, self.id = gen, chat, response_id
+        self.token_text = serving.token_text
+        self.created = int(time.time())
+        n = gen.params.n
+        self.base = {r.request_id: i * n for i, r in enumerate(reqs)}
+        self.num_choices = len(reqs) * n
+        self.usage = _Usage(sum(len(r.prompt_token_ids) for r in reqs))
+
+    def _envelope(self, obj: str, choices: list) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.gen.model,
+                "system_fingerprint": None, "choices": choices}
+
+    # ---- whole -----------------------------------------------------------------------------------
+    def result(self, outputs: list) -> dict:
+        choices = [_Choice() for _ in range(self.num_choices)]
+        for out in outputs:
+            if out.error is not None:
+                raise APIError(500, f"the request failed in the engine: {out.error}")
+            for c in out.outputs:
+                choices[self.base[out.request_id] + c.index].add(c)
+        self.usage.completion_tokens = sum(len(ch.token_ids) for ch in choices)
+        body = self._envelope("chat.completion" if self.chat else "text_completion",
+                              [self._whole_choice(i, ch) for i, ch in enumerate(choices)])
+        body["usage"] = self.usage.as_dict()
+        return body
+
+    def _whole_choice(self, index: int, ch: _Choice) -> dict:
+        text = "".join(ch.texts)
+        logprobs = None
+        if self.gen.logprobs is not None:
+            logprobs = (self._chat_logprobs(ch.token_ids, ch.logprobs) if self.chat
+                        else self._completion_logprobs(ch.token_ids, ch.logprobs, 0)[0])
+        if self.chat:
+            return {"index": index, "message": {"role": "assistant", "content": text, "tool_calls": []},
+                    "logprobs": logprobs, "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": ch.finish_reason,
+                "stop_reason": ch.stop_reason}
+
+    # ---- streamed ------------------------------------------------------------------------------
+    async def events(self, stream: RequestStream):
+        gen = self.gen
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        offsets = [0] * self.num_choices  # completions logprobs: text offset of each choice
+
+        def chunk(choices: list) -> bytes:
+            body = self._envelope(obj, choices)
+            if gen.include_usage:
+                body["usage"] = self.usage.as_dict() if gen.continuous_usage else None
+            return _sse(body)
+
+        try:
+            if self.chat:  # the role first, one chunk per choice (as OpenAI and vLLM do)
+                yield b"".join(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}])
+                               for i in range(self.num_choices))
+            while outputs := await stream.next_outputs():
+                parts = []
+                for out in outputs:
+                    if out.error is not None:
+                        yield _sse(error_body(500, f"the request failed in the engine: {out.error}")) + _DONE
+                        return
+                    for c in out.outputs:
+                        index = self.base[out.request_id] + c.index
+                        self.usage.completion_tokens += len(c.token_ids)
+                        with_logprobs = gen.logprobs is not None and bool(c.token_ids)
+                        if not c.text and c.finish_reason is None and not with_logprobs:
+                            continue  # nothing to show yet (held back for a stop string, a partial character)
+                        parts.append(chunk([self._delta_choice(index, c, offsets, with_logprobs)]))
+                if parts:
+                    yield b"".join(parts)
+        except EngineDeadError as e:
+            yield _sse(error_body(503, f"the engine stopped: {e}")) + _DONE
+            return
+        except RequestAbortedError as e:
+            yield _sse(error_body(503, f"the request was aborted: {e}")) + _DONE
+            return
+        if gen.include_usage:
+            body = self._envelope(obj, [])
+            body["usage"] = self.usage.as_dict()
+            yield _sse(body)
+        yield _DONE
+
+    def _delta_choice(self, index: int, c: CompletionOutput, offsets: list[int], with_logprobs: bool) -> dict:
+        logprobs = None
+        if with_logprobs:
+            if self.chat:
+                logprobs = self._chat_logprobs(c.token_ids, c.logprobs or [])
+            else:
+                logprobs, offsets[index] = self._completion_logprobs(c.token_ids, c.logprobs or [], offsets[index])
+        if self.chat:
+            delta = {"content": c.text} if c.text else {}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason}
+        return {"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
+
+    # ---- logprobs --------------------------------------------------------------------------------
+    def _completion_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]],
+                             offset: int) -> tuple[dict, int]:
+        """The legacy shape: tokens, token_logprobs, top_logprobs (top N and the sampled
+        token, so up to N + 1 entries, keyed by their text), text_offset."""
+        text = self.token_text
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for token_id, entry in zip(token_ids, entries):
+            token = text(token_id)
+            tokens.append(token)
+            token_logprobs.append(_logprob(entry[token_id].logprob))
+            top: dict[str, float] = {}
+            for t, lp in entry.items():  # two tokens with one text (partial characters): keep the likelier
+                key, value = text(t), _logprob(lp.logprob)
+                if value > top.get(key, -math.inf):
+                    top[key] = value
+            tops.append(top)
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+                "text_offset": offsets}, offset
+
+    def _chat_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]]) -> dict:
+        """{"content": [{"token", "logprob", "bytes", "top_logprobs": [the top N by rank]}]}."""
+        text, top_n = self.token_text, self.gen.logprobs
+
+        def item(token_id: int, lp: Logprob) -> dict:
+            token = text(token_id)
+            return {"token": token, "logprob": _logprob(lp.logprob), "bytes": list(token.encode("utf-8"))}
+
+        content = []
+        for token_id, entry in zip(token_ids, entries):
+            top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= top_n),
+                         key=lambda x: x[1].rank)
+            content.append({**item(token_id, entry[token_id]), "top_logprobs": [item(t, lp) for t, lp in top]})
+        return {"content": content}

@@ -1,0 +1,186 @@
+"""The server app in process (httpx's ASGI transport, no subprocess): --max-waiting's 503
+with Retry-After, /health and requests once the engine is dead, the Bearer check, and
+`nanokv serve` without the server extra."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sys
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from nanokv import LLM, SamplingParams  # noqa: E402
+from nanokv.async_llm import AsyncLLM  # noqa: E402
+from nanokv.engine.types import EngineDeadError  # noqa: E402
+from nanokv.entrypoints.cli import main  # noqa: E402
+from nanokv.entrypoints.openai.api_server import ServerSettings, build_app  # noqa: E402
+from nanokv.llm_engine import LLMEngine  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    return LLM(model_dir, max_model_len=256)
+
+
+def app_for(offline, *, max_num_seqs: int = 8, **settings):
+    config = dataclasses.replace(offline.llm_engine.config, max_num_seqs=max_num_seqs)
+    llm = AsyncLLM(LLMEngine(config, tokenizer=offline.get_tokenizer()),
+                   max_waiting=settings.pop("max_waiting", None))
+    return llm, build_app(llm, ServerSettings(model_names=("tiny",), **settings))
+
+
+def run(coro, timeout: float = 60):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def check_error(resp, status: int, match: str) -> dict:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    assert match in error["message"], error["message"]
+    return error
+
+
+def test_max_waiting_answers_503_with_retry_after(offline):
+    llm, app = app_for(offline, max_num_seqs=1, max_waiting=1)
+    long = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+
+    async def main():
+        llm.start()
+        async with client(app) as http:
+            running = llm.add([llm.make_request("Hello", long)])
+            await running.next_outputs()  # it holds the only seat
+            waiting = llm.add([llm.make_request("Hello again", long)])
+            full = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            running.close()
+            waiting.close()
+            for _ in range(200):  # the seat frees within a step
+                ok = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+                if ok.status_code != 503:
+                    break
+                await asyncio.sleep(0.01)
+        llm.shutdown()
+        return full, ok
+
+    full, ok = run(main())
+    check_error(full, 503, "--max-waiting")
+    assert full.headers["retry-after"] == "1"
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_dead_engine_turns_health_503_and_requests_503(offline):
+    llm, app = app_for(offline)
+
+    def dead():
+        raise EngineDeadError("rank 1 died (SIGKILL)")
+
+    llm.engine.advance = dead
+
+    async def main():
+        llm.start()
+        async with client(app) as http:
+            healthy = await http.get("/health")
+            failed = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            for _ in range(100):
+                if not llm.is_alive:
+                    break
+                await asyncio.sleep(0.01)
+            sick = await http.get("/health")
+            refused = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+            metrics = await http.get("/metrics")
+        llm.shutdown()
+        return healthy, failed, sick, refused, metrics
+
+    healthy, failed, sick, refused, metrics = run(main())
+    assert healthy.status_code == 200
+    check_error(failed, 503, "rank 1 died")
+    check_error(sick, 503, "rank 1 died")
+    check_error(refused, 503, "rank 1 died")
+    assert metrics.status_code == 200 and "nanokv:num_requests_running" in metrics.text
+
+
+def test_api_key_guards_every_v1_route_only(offline):
+    llm, app = app_for(offline, api_key="sekrit")
+
+    async def main():
+        llm.start()
+        async with client(app) as http:
+            results = {
+                "none": await http.get("/v1/models"),
+                "wrong": await http.get("/v1/models", headers={"Authorization": "Bearer nope"}),
+                "post": await http.post("/v1/completions", content=b"not json"),
+                "unknown": await http.get("/v1/nothing"),
+                "right": await http.get("/v1/models", headers={"Authorization": "Bearer sekrit"}),
+                "health": await http.get("/health"),
+                "metrics": await http.get("/metrics"),
+            }
+        llm.shutdown()
+        return results
+
+    r = run(main())
+    for name in ("none", "wrong", "post", "unknown"):
+        check_error(r[name], 401, "API key")
+        assert r[name].headers["www-authenticate"] == "Bearer"
+    assert r["right"].status_code == 200 and r["right"].json()["data"][0]["id"] == "tiny"
+    assert r["health"].status_code == 200 and r["metrics"].status_code == 200
+
+
+def test_unknown_routes_and_methods_get_error_objects(offline):
+    llm, app = app_for(offline)
+
+    async def main():
+        llm.start()
+        async with client(app) as http:
+            missing = await http.get("/v1/nothing")
+            method = await http.get("/v1/completions")
+            model = await http.get("/v1/models/other")
+        llm.shutdown()
+        return missing, method, model
+
+    missing, method, model = run(main())
+    check_error(missing, 404, "/v1/completions")
+    check_error(method, 405, "Method Not Allowed")
+    check_error(model, 404, "'other'")
+
+
+def test_serve_without_the_extra_names_the_pip_command(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "fastapi", None)
+    assert main(["serve", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert "fastapi" in err and "pip install 'nanokv[serve]'" in err
+
+
+def test_a_body_over_the_limit_is_413(offline, monkeypatch):
+    from nanokv.entrypoints.openai import api_server
+
+    monkeypatch.setattr(api_server, "MAX_BODY_BYTES", 1000)
+    llm, app = app_for(offline)
+
+    async def main():
+        llm.start()
+        async with client(app) as http:
+            big = await http.post("/v1/completions", json={"prompt": "x" * 2000})
+            small = await http.post("/v1/completions", json={"prompt": "x" * 10, "max_tokens": 1})
+        llm.shutdown()
+        return big, small
+
+    big, small = run(main())
+    check_error(big, 413, "over 1000 bytes")
+    assert small.status_code == 200
+
+
+def test_serve_flag_errors_exit_2(capsys):
+    assert main(["serve", "/a", "--model", "/b"]) == 2
+    assert "given twice" in capsys.readouterr().err
+    assert main(["serve", "/nonexistent/model"]) == 2
+    assert "nanokv serve: error: " in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--port", "70000"])
