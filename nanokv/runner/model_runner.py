@@ -77,6 +77,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # one block more than the block manager hands out: the scratch block of padding rows
         self._set_kv_cache(allocate_kv_cache(self.config, num_blocks + 1, *self.kv_shape))
+        first = self.attn_layers[0]  # this rank's heads
+        self.backend.warm_up(first.num_heads, first.num_kv_heads, first.head_dim, self.config.dtype, self.device,
+                             self.block_size, self.config.max_model_len)
         if self.use_graphs:
             cfg = self.config
             self.graphs = DecodeGraphs(self.model, self.backend, self.block_size, cfg.max_num_seqs,

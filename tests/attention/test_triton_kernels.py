@@ -22,7 +22,8 @@ from nanokv import LLM, SamplingParams  # noqa: E402
 from nanokv.attention.base import AttentionMetadata  # noqa: E402
 from nanokv.attention.torch_ref import TorchRefBackend  # noqa: E402
 from nanokv.attention.triton_backend import TritonBackend  # noqa: E402
-from nanokv.attention.triton_kernels import choose_num_splits, reshape_and_cache, tile_shape  # noqa: E402
+from nanokv.attention.triton_kernels import (MAX_SPLITS, choose_num_splits, possible_num_splits,  # noqa: E402
+                                             reshape_and_cache, tile_shape, warm_up)
 from nanokv.tiny import GENERATION_EOS_TOKEN_IDS  # noqa: E402
 
 from ..conftest import hf_greedy, random_prompts  # noqa: E402
@@ -320,3 +321,35 @@ def test_cuda_auto_heuristic_splits_long_decodes():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     block_q = tile_shape(32, 8, 128, 1)[1]
     assert choose_num_splits(batch.meta.num_seqs, 8, 1, block_q, batch.meta.max_seq_len, sms) > 1
+
+
+def test_split_counts_are_powers_of_two_and_warm_up_lists_them_all():
+    seen = set()
+    for num_kv_heads in (1, 2, 8):
+        for num_seqs in range(1, 80):
+            for max_seq_len in (255, 300, 700, 1500, 5000, 40960):
+                n = choose_num_splits(num_seqs, num_kv_heads, 1, 4, max_seq_len, num_sms=132)
+                assert n & (n - 1) == 0 and n <= MAX_SPLITS
+                assert n in possible_num_splits(num_kv_heads, max_seq_len, 132)
+                seen.add(n)
+    assert seen == {1, 2, 4, 8, 16, 32, 64}
+    assert possible_num_splits(8, 40960, 132) == [1, 2, 4, 8, 16, 32]  # Qwen3-0.6B on an H200
+
+
+@needs_triton_device
+def test_warm_up_launches_every_variant():
+    # group 2: decode tile (16 rows) and prefill tile (64 rows, 32 queries), each with 1, 2, 4 splits
+    assert possible_num_splits(2, 1024, 8) == [1, 2, 4]
+    assert warm_up(4, 2, 32, torch.float32, torch.device(DEVICE), 16, 1024, num_sms=8) == 2 * 3
+    # group 32: one tile shape whatever the query length
+    assert warm_up(32, 1, 16, torch.float32, torch.device(DEVICE), 16, 300, num_sms=8) == 1
+
+
+def test_varying_step_sizes_are_not_specialised_on():
+    from nanokv.attention import triton_kernels as tk
+
+    def unspecialised(fn):  # a JITFunction, or the interpreter's stand-in (which keeps jit's kwargs)
+        return set(getattr(fn, "do_not_specialize", None) or fn.kwargs.get("do_not_specialize", ()))
+
+    assert {"num_seqs", "stride_bt"} <= unspecialised(tk._paged_attention_kernel)
+    assert {"num_tokens"} <= unspecialised(tk._reshape_and_cache_kernel)
