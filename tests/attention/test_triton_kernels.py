@@ -323,6 +323,18 @@ def test_cuda_auto_heuristic_splits_long_decodes():
     assert choose_num_splits(batch.meta.num_seqs, 8, 1, block_q, batch.meta.max_seq_len, sms) > 1
 
 
+def test_auto_never_picks_flash_attn_for_float32(monkeypatch):
+    import nanokv.attention as attention
+
+    monkeypatch.setattr(attention, "_importable", lambda module: True)  # flash_attn and triton "installed"
+    cuda = torch.device("cuda")
+    assert attention.resolve_backend("auto", cuda, 256, torch.bfloat16, 128) == "flash_attn"
+    assert attention.resolve_backend("auto", cuda, 256, torch.float16, 128) == "flash_attn"
+    assert attention.resolve_backend("auto", cuda, 256, torch.float32, 128) == "triton"
+    with pytest.raises(ValueError, match="float16 and bfloat16"):
+        attention.resolve_backend("flash_attn", cuda, 256, torch.float32, 128)
+
+
 def test_split_counts_are_powers_of_two_and_warm_up_lists_them_all():
     seen = set()
     for num_kv_heads in (1, 2, 8):
