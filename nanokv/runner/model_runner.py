@@ -41,6 +41,7 @@ class ModelRunner:
             self.device = torch.device("cuda", tp.rank)
             torch.cuda.set_device(self.device)
         hf = config.hf_config
+        allocated = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.model = build_model(get_model_class(config.architecture), hf, config.model,
                                  config.dtype, self.device, config.max_model_len, tp)
         # the C kernels or torch, for every layer at once (compiles them on first use)
@@ -59,8 +60,11 @@ class ModelRunner:
         self._packer: StepPacker | None = None  # rank 0's, made at its first step
         self.use_graphs = (config.device.type == "cuda" and not config.enforce_eager
                            and self.backend.supports_cuda_graphs and tp.size == 1)
+        # this LLM's own weights: another LLM in the process may hold memory too
+        weight_bytes = torch.cuda.memory_allocated(self.device) - allocated if self.device.type == "cuda" else 0
         activation_bytes = self._profile_activation_bytes(self.use_graphs) if config.device.type == "cuda" else 0
-        self.max_num_blocks = num_kv_blocks(config, bytes_per_block(config, *self.kv_shape), activation_bytes)
+        self.max_num_blocks = num_kv_blocks(config, bytes_per_block(config, *self.kv_shape), activation_bytes,
+                                            weight_bytes)
         self.num_blocks = 0
         self.kv_cache: torch.Tensor | None = None
         self.graphs = None
