@@ -365,3 +365,28 @@ def test_varying_step_sizes_are_not_specialised_on():
 
     assert {"num_seqs", "stride_bt"} <= unspecialised(tk._paged_attention_kernel)
     assert {"num_tokens"} <= unspecialised(tk._reshape_and_cache_kernel)
+
+
+def _compiled_variants(fn) -> int:
+    caches = getattr(fn, "device_caches", None)  # triton >= 3.2: device -> (kernel cache, ...)
+    if caches is None:
+        pytest.skip("this triton keeps its compiled kernels elsewhere")
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+@pytest.mark.gpu
+@needs_compiled_cuda
+def test_cuda_nothing_compiles_after_warm_up(checkpoint):
+    """Steps of every size (batch 1 to 9, contexts up to 1000, prefill chunks beside decodes)
+    launch only kernel variants the LLM's warm-up compiled."""
+    from nanokv.attention import triton_kernels as tk
+
+    llm = LLM(checkpoint("qwen3-tiny"), dtype="bfloat16", attention_backend="triton", max_model_len=1024,
+              max_num_batched_tokens=512, enforce_eager=True)
+    kernels = (tk._paged_attention_kernel, tk._merge_splits_kernel, tk._reshape_and_cache_kernel)
+    before = [_compiled_variants(k) for k in kernels]
+    prompts = random_prompts([1, 7, 40, 200, 600, 900, 3, 17, 64], 1024, seed=21)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (100, 90, 80, 70, 60, 50, 9, 5, 1)]
+    llm.generate(prompts[:1], params[:1], use_tqdm=False)  # one long decode alone: the most splits
+    llm.generate(prompts, params, use_tqdm=False)
+    assert [_compiled_variants(k) for k in kernels] == before

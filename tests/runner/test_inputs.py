@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from nanokv.engine.types import ScheduledBatch, ScheduledSeq
@@ -148,7 +149,7 @@ def test_a_step_sends_only_new_table_entries():
     seqs = [ScheduledSeq(i, [7], 1000 + i, list(range(300 * i, 300 * i + 251)), True, PARAMS) for i in range(4)]
     first = packer.pack(ScheduledBatch(seqs))
     assert first.sizes.num_table_writes == 4 * 251
-    for step in range(1, 9):
+    for _ in range(8):
         for s in seqs:
             s.start_pos += 1
             if s.start_pos % BS == 0:
@@ -197,3 +198,21 @@ def test_sections_are_aligned_for_the_kernels():
     for t in (inputs.input_ids, inputs.positions, inputs.meta.slot_mapping, inputs.meta.query_start_loc,
               inputs.meta.seq_lens):
         assert t.data_ptr() % 64 == packed.buffer.data_ptr() % 64  # views of the one buffer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_steps_copied_once_from_pinned_memory_match_the_reference():
+    packer = StepPacker(BS, torch.zeros(8, 32, dtype=torch.int32), pin_memory=True)
+    device_table = torch.zeros(8, 32, dtype=torch.int32, device="cuda")
+    work = Workload(3)
+    for _ in range(60):
+        batch = work.step()
+        if not batch.seqs:
+            continue
+        packed = packer.pack(batch)
+        assert packed.buffer.is_pinned()
+        inputs = unpack_step(packed, device_table)
+        assert inputs.input_ids.is_cuda and inputs.meta.block_tables.is_cuda
+        assert_matches_reference(inputs, batch)
+    assert torch.equal(device_table.cpu(), packer.rows.table)

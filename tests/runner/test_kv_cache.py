@@ -62,3 +62,39 @@ def test_a_pool_that_cannot_hold_one_sequence_names_the_knob(cpu_config):
 
 def test_cpu_default_pool_is_capped_too(cpu_config):
     assert num_kv_blocks(cpu_config, 1024) == 4 * 512 // 16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_second_llm_sizes_its_pool_from_what_the_first_left(checkpoint):
+    """Two LLMs in one process: the first takes 60% of the device, the second (90% asked)
+    gets a pool that fits in what was free, and most of it, and both give the same tokens."""
+    from nanokv import LLM, SamplingParams
+
+    # 2 MiB blocks (8 KV heads of 128, 256 tokens, 2 layers, bf16): few block objects per GiB
+    model_dir = checkpoint("qwen3-tiny", num_attention_heads=8, num_key_value_heads=8, head_dim=128)
+    kw = dict(dtype="bfloat16", kvcache_block_size=256, max_model_len=1024, max_num_seqs=20_000,
+              enforce_eager=True)
+    first = LLM(model_dir, gpu_memory_utilization=0.6, **kw)
+    free_before, total = torch.cuda.mem_get_info()
+    second = LLM(model_dir, gpu_memory_utilization=0.9, **kw)
+
+    def pool_bytes(llm):
+        cache = llm.llm_engine.runner.kv_cache
+        return cache.numel() * cache.element_size()
+
+    assert pool_bytes(first) <= 0.6 * total
+    assert 0.5 * free_before < pool_bytes(second) <= free_before
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9]
+    assert first.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == \
+        second.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_pool_of_a_tiny_model_is_capped(model_dir):
+    from nanokv import LLM
+
+    llm = LLM(model_dir, max_model_len=512, max_num_seqs=8, enforce_eager=True)
+    assert llm.llm_engine.runner.num_blocks == 8 * 512 // 16  # not 90% of the device in 16-token blocks
