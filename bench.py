@@ -200,8 +200,13 @@ def run_nanokv(model_dir: str, reqs: list[Request], device: torch.device, args, 
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert tokens == sum(r.max_tokens for r in reqs)
     kv = llm.kv_stats()
+    pool_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
+    block_bytes = pool_bytes / runner.kv_cache.shape[2]  # [layers, 2, blocks, ...]
+    # the pool is allocated up front: its whole size is in the peak, what sequences used is not
     extra = dict(kv=asdict(kv), kv_summary=kv.summary(), steps=runner.num_steps,
-                 forward_seconds=runner.forward_seconds, backend=llm.llm_engine.config.attention_backend)
+                 forward_seconds=runner.forward_seconds, backend=llm.llm_engine.config.attention_backend,
+                 kv_pool_gib=round(pool_bytes / 2**30, 4),
+                 kv_used_peak_gib=round(kv.peak_used_blocks * block_bytes / 2**30, 4))
     res = Result("nanokv", tokens, seconds, peak_gib(device), extra=extra)
     del llm, outs
     return res
@@ -398,6 +403,99 @@ def keep_faster(best: Result, again: Result) -> Result:
     return best
 
 
+# ---- microbenchmarks (--micro) ----------------------------------------------------------
+# Each section is one function: it measures, prints its own table and returns a dict for
+# --json. MICRO_SECTIONS lists them in the order --micro runs them.
+
+def micro_host_time(device: torch.device, num_seqs: int = 256, context_lens: tuple[int, ...] = (40, 1000),
+                    steps: int = 30, warmup: int = 5, quiet: bool = False) -> dict:
+    """Host time per decode step, phase by phase, with num_seqs sequences decoding at each
+    context length: the scheduler's schedule(), the runner's input preparation (prepare)
+    and its attention plan (the backend's prepare), sampling (greedy, the model's vocab)
+    and the engine's update (scheduler and output processor). No forward runs: what is
+    left is what the host spends around it. Medians over `steps` decode steps."""
+    import statistics
+
+    from nanokv import SamplingParams
+    from nanokv.config import EngineArgs
+    from nanokv.llm_engine import LLMEngine
+    from nanokv.testing.tiny import cached_tiny_checkpoint
+
+    budget, block_size = 4096, 16
+
+    def new_tokens(ctx: int) -> int:  # sequences prefilled early decode while the others prefill
+        return -(-num_seqs * ctx // budget) + warmup + steps + 4
+
+    longest = max(ctx + new_tokens(ctx) for ctx in context_lens)
+    model_dir = cached_tiny_checkpoint("qwen3-tiny", max_position_embeddings=max(2048, longest))
+    rows = []
+    for ctx in context_lens:
+        blocks = num_seqs * -(-(ctx + new_tokens(ctx)) // block_size)
+        config = EngineArgs(model=model_dir, device=str(device), max_model_len=longest, max_num_seqs=num_seqs,
+                            max_num_batched_tokens=budget, num_kvcache_blocks=blocks,
+                            kvcache_block_size=block_size, enforce_eager=True).create_engine_config()
+        engine = LLMEngine(config)
+        runner, sched = engine.runner, engine.scheduler
+        vocab = config.hf_config.vocab_size
+        rng = random.Random(ctx)
+        for _ in range(num_seqs):
+            prompt = [rng.randrange(4, min(vocab, 1024)) for _ in range(ctx)]
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=new_tokens(ctx), ignore_eos=True))
+        logits = torch.randn(num_seqs, vocab, device=device)
+        phases = {k: [] for k in ("schedule", "prepare", "plan", "sample", "update")}
+        decode_steps = 0
+        while decode_steps < warmup + steps:
+            t0 = time.perf_counter()
+            batch = sched.schedule()
+            t1 = time.perf_counter()
+            inputs = runner.prepare(batch)
+            t2 = time.perf_counter()
+            runner.backend.prepare(inputs.meta, runner.block_size)
+            t3 = time.perf_counter()
+            rows_n = 0 if inputs.logits_rows is None else inputs.logits_rows.shape[0]
+            out = runner.sample(logits[:rows_n] if rows_n else None, batch)
+            t4 = time.perf_counter()
+            engine._apply(batch, out, {})
+            t5 = time.perf_counter()
+            if len(batch.seqs) == num_seqs and all(len(s.token_ids) == 1 for s in batch.seqs):
+                decode_steps += 1
+                if decode_steps > warmup:
+                    for key, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+                        phases[key].append(1000 * dt)
+        row = dict(context=ctx, num_seqs=num_seqs, backend=config.attention_backend, vocab=vocab,
+                   **{f"{k}_ms": round(statistics.median(v), 3) for k, v in phases.items()})
+        row["total_ms"] = round(sum(row[f"{k}_ms"] for k in phases), 3)
+        rows.append(row)
+        engine.close()
+        del engine, runner, sched
+    result = dict(section="host time per decode step", device=str(device), threads=torch.get_num_threads(),
+                  rows=rows)
+    if not quiet:
+        print(f"host time per decode step, {num_seqs} sequences decoding, median of {steps} steps "
+              f"(no forward; {device}, {torch.get_num_threads()} threads, backend {rows[0]['backend']}, "
+              f"greedy over vocab {rows[0]['vocab']})\n")
+        print("| context | schedule | prepare | attention plan | sample | update | total (ms) |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['context']} | {r['schedule_ms']:.3f} | {r['prepare_ms']:.3f} | {r['plan_ms']:.3f} | "
+                  f"{r['sample_ms']:.3f} | {r['update_ms']:.3f} | {r['total_ms']:.3f} |")
+    return result
+
+
+MICRO_SECTIONS = [micro_host_time]
+
+
+def run_micro(device: torch.device, as_json: bool) -> None:
+    """--micro: every section of MICRO_SECTIONS, one after the other."""
+    results = []
+    for i, section in enumerate(MICRO_SECTIONS):
+        if i and not as_json:
+            print()
+        results.append(section(device, quiet=as_json))
+    if as_json:
+        print(json.dumps(dict(micro=results), indent=2, default=str))
+
+
 # ---- main -------------------------------------------------------------------------------
 
 def resolve_model(args, scratch: str) -> tuple[str, str]:
@@ -481,13 +579,21 @@ def print_report(report: dict) -> None:
         ", ".join(f"{k} {v}" for k, v in report["sampling"].items()))
     print(f"workload {report['workload']}: {report['num_requests']} requests, {lens}, {sampling}, "
           f"{report['model']}, {report['device']}, {report['dtype']}, torch {report['torch']}\n")
-    print("| engine | output tokens | seconds | tok/s | vs HF generate | peak memory (GiB) | note |")
-    print("|---|---|---|---|---|---|---|")
+    cuda = not report["device"].startswith("CPU")
+    measured = "peak allocated" if cuda else "peak RSS"
+    print(f"| engine | output tokens | seconds | tok/s | vs HF generate | {measured} (GiB) | of it, KV pool: "
+          "allocated / used at peak (GiB) | note |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in report["results"]:
         ratio = f"{row['ratio_to_hf_generate']:.2f}x" if row["ratio_to_hf_generate"] else "-"
         tps = f"{row['tok_per_s']:,.0f}" if row["tok_per_s"] else "-"
+        pool = f"{row['kv_pool_gib']:.3g} / {row['kv_used_peak_gib']:.3g}" if "kv_pool_gib" in row else "-"
         print(f"| {row['engine']} | {row['output_tokens']:,} | {row['seconds']:.1f} | {tps} | {ratio} | "
-              f"{row['peak_memory_gib']:.2f} | {row['note']} |")
+              f"{row['peak_memory_gib']:.2f} | {pool} | {row['note']} |")
+    print(f"\n{measured}: " + ("torch's peak allocated device memory" if cuda else "the process's peak resident "
+                                "memory (VmHWM)") + " during the run. nanokv allocates its KV pool up front "
+          "(gpu_memory_utilization or kv_cache_memory_bytes), so its peak holds the whole pool, used or not; "
+          "HF's cache grows with its batch and is inside its peak.")
     nano = next((row for row in report["results"] if row["engine"] == "nanokv"), None)
     if nano is not None:
         rf = report["roofline"]
@@ -539,9 +645,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1 if cuda else 2,
                    help="rounds of nanokv and HF generate's best batch size, alternating; each engine "
                         "reports its fastest (default 2 on CPU, 1 on GPU)")
+    p.add_argument("--micro", action="store_true",
+                   help="microbenchmarks instead of the workloads: host time per decode step (and every other "
+                        "section of MICRO_SECTIONS)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables (with "
                                                        "several workloads: {\"workloads\": [one per workload]})")
     args = p.parse_args()
+    if args.micro:
+        run_micro(torch.device("cuda" if cuda else "cpu"), args.json)
+        return
     names = [w for w in args.workload.split(",") if w]
     unknown = [w for w in names if w not in WORKLOADS]
     if unknown or not names:

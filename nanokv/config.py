@@ -52,9 +52,11 @@ class EngineArgs:
     kvcache_block_size: int = _arg(16, "tokens per KV cache block", aliases=("block_size",))
     num_kvcache_blocks: int | None = _arg(None, "pin the KV pool size in blocks; None: from the memory budget",
                                           aliases=("num_gpu_blocks_override",))
-    kv_cache_memory_bytes: int | None = _arg(None, "KV pool budget in bytes; None on the CPU: 4 GiB, at most "
-                                             "half the free RAM, no more than max_num_seqs full sequences need")
-    gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory for weights, activations and the KV cache")
+    kv_cache_memory_bytes: int | None = _arg(None, "KV pool budget in bytes; None: on the CPU 4 GiB, at most "
+                                             "half the free RAM, on CUDA what gpu_memory_utilization leaves; "
+                                             "either way no more than max_num_seqs full sequences need")
+    gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory this LLM may take for its weights, "
+                                              "activations and KV cache (never more than is free)")
     enable_prefix_caching: bool = _arg(True, "reuse cached KV blocks of shared prompt prefixes")
     enforce_eager: bool = _arg(False, "no CUDA graphs for decode steps")
     seed: int | None = _arg(0, "seeds the sampler for requests without a seed of their own "

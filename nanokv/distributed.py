@@ -46,19 +46,28 @@ def group_exists() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+# Host tensors (step metadata) travel over gloo; on CUDA the default group is NCCL, so a
+# second, gloo group is made beside it (None: the default group is gloo already).
+_host_group = None
+
+
 def init_group(rank: int, size: int, init_method: str, device: torch.device) -> None:
+    global _host_group
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=TIMEOUT)
+    _host_group = dist.new_group(backend="gloo", timeout=TIMEOUT) if backend != "gloo" else None
 
 
 def destroy_group() -> None:
+    global _host_group
+    _host_group = None
     if group_exists():
         dist.destroy_process_group()
 
 
-def broadcast(x: torch.Tensor) -> None:
-    """From rank 0 to every rank, in place."""
-    dist.broadcast(x, src=0)
+def broadcast_host(x: torch.Tensor) -> None:
+    """A host tensor from rank 0 to every rank, in place, over gloo (no device involved)."""
+    dist.broadcast(x, src=0, group=_host_group)
 
 
 def all_reduce_min(value: int, device: torch.device) -> int:

@@ -102,3 +102,24 @@ def test_chat_workload_refuses_prompt_lengths():
     else:
         raise AssertionError("accepted --prompt-lens for a chat workload")
     assert bench.workload_spec("chat", num_requests=3, output="5") == dict(num_requests=3, output=(5, 5), chat=True)
+
+
+def test_micro_host_time_reports_every_phase_per_context(capsys):
+    """bench.py --micro's host-time section at a small size: one row per context length,
+    every phase measured (timings themselves are never asserted)."""
+    import torch
+
+    sys.path.insert(0, ROOT)
+    try:
+        import bench
+    finally:
+        sys.path.remove(ROOT)
+    result = bench.micro_host_time(torch.device("cpu"), num_seqs=6, context_lens=(5, 40), steps=3, warmup=1)
+    assert [r["context"] for r in result["rows"]] == [5, 40]
+    phases = ("schedule", "prepare", "plan", "sample", "update")
+    for row in result["rows"]:
+        assert row["num_seqs"] == 6 and all(row[f"{k}_ms"] > 0 for k in phases)
+        assert row["total_ms"] == round(sum(row[f"{k}_ms"] for k in phases), 3)
+    table = capsys.readouterr().out
+    assert "| context | schedule | prepare |" in table and "| 40 |" in table
+    assert bench.micro_host_time in bench.MICRO_SECTIONS

@@ -14,6 +14,7 @@ import torch
 from nanokv.attention.base import AttentionBackend, AttentionMetadata
 
 BACKENDS = ("torch", "cpu", "triton", "flash_attn")
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn has no float32 kernels
 
 
 def _importable(module: str) -> bool:
@@ -32,12 +33,13 @@ def _cpu_kernels_fit(device: torch.device, dtype: torch.dtype, head_dim: int) ->
 
 def resolve_backend(name: str, device: torch.device, block_size: int,
                     dtype: torch.dtype = torch.float32, head_dim: int = 64) -> str:
-    """The backend to use. "auto": flash_attn if importable on CUDA (and the block size
-    suits it), else triton on CUDA; on the CPU the C kernels (float32, head_dim a multiple
-    of 8 up to 512, a C compiler at hand), else torch. ValueError for a choice that cannot work."""
+    """The backend to use. "auto": flash_attn if importable on CUDA (and the block size and
+    a half-precision dtype suit it), else triton on CUDA; on the CPU the C kernels (float32,
+    head_dim a multiple of 8 up to 512, a C compiler at hand), else torch. ValueError for a
+    choice that cannot work."""
     if name == "auto":
         if device.type == "cuda":
-            if _importable("flash_attn") and block_size % 256 == 0:
+            if _importable("flash_attn") and block_size % 256 == 0 and dtype in _FLASH_DTYPES:
                 return "flash_attn"
             if _importable("triton"):
                 return "triton"
@@ -63,6 +65,9 @@ def resolve_backend(name: str, device: torch.device, block_size: int,
         if block_size % 256:
             raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size to be a multiple "
                              f"of 256 (got {block_size}); set kvcache_block_size=256")
+        if dtype not in _FLASH_DTYPES:
+            raise ValueError(f"attention_backend='flash_attn' runs float16 and bfloat16 only (got "
+                             f"{str(dtype).replace('torch.', '')}); set dtype='bfloat16' or attention_backend='triton'")
     return name
 
 

@@ -49,6 +49,11 @@ class AttentionBackend:
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Derive per-step helper tensors once, before the layers run."""
 
+    def warm_up(self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device, block_size: int, max_model_len: int) -> None:
+        """Compile, before the first step, whatever the backend would otherwise compile in
+        the middle of a run (Triton: every kernel variant); this rank's head counts."""
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:

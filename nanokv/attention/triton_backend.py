@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from nanokv.attention.base import AttentionBackend, AttentionMetadata
-from nanokv.attention.triton_kernels import paged_attention, reshape_and_cache
+from nanokv.attention.triton_kernels import paged_attention, reshape_and_cache, warm_up
 
 # The split-KV heuristic's stand-in for the SM count when the "GPU" is the interpreter.
 _INTERPRETER_SMS = 8
@@ -32,6 +32,12 @@ class TritonBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         meta.backend_state = TritonState(self._sm_count(meta.seq_lens.device))
+
+    def warm_up(self, num_q_heads, num_kv_heads, head_dim, dtype, device, block_size, max_model_len) -> None:
+        # only compiled kernels compile (not the interpreter); a forced split count does on first use
+        if device.type == "cuda" and self.num_splits is None:
+            warm_up(num_q_heads, num_kv_heads, head_dim, dtype, device, block_size, max_model_len,
+                    self._sm_count(device))
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         # q [T, Hq, D]; k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]

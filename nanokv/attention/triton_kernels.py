@@ -16,6 +16,10 @@ over the paged cache for a flat varlen batch (decodes and prefill chunks togethe
 - Split-KV (flash decoding): with few programs and long contexts each tile's keys are cut
   into num_splits chunks; each writes a partial (max, sum, unnormalised acc) and a reduce
   kernel merges them.
+- No recompilation inside a run: the sizes that change from step to step (num_seqs,
+  num_tokens, the block-table stride) are not specialised on, split counts are powers of
+  two, reshape_and_cache's tile depends on the model only, and warm_up() compiles every
+  variant a run can launch (both tile shapes, every split count) before the first step.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _reshape_and_cache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens, block_size,
                               stride_kt, stride_kh, stride_vt, stride_vh,
                               stride_kcb, stride_kco, stride_kch,
@@ -63,7 +67,7 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     row_pad = triton.next_power_of_2(num_heads * head_dim)
-    block_t = max(1, min(triton.next_power_of_2(num_tokens), 2048 // row_pad))
+    block_t = max(1, 2048 // row_pad)  # the model's, whatever the step's size: one compiled variant
     _reshape_and_cache_kernel[(triton.cdiv(num_tokens, block_t),)](
         k, v, k_cache, v_cache, slot_mapping, num_tokens, k_cache.shape[1],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -85,7 +89,7 @@ def _find_seq(query_start_loc_ptr, tile_id, num_seqs, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
         block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
@@ -200,14 +204,51 @@ def tile_shape(num_q_heads: int, num_kv_heads: int, head_dim: int, max_query_len
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, block_q: int,
                       max_seq_len: int, num_sms: int) -> int:
     """1 (single pass) unless each sequence is one tile, those tiles fill less than the GPU,
-    and contexts are long: then enough chunks of >= MIN_SPLIT_TOKENS keys for ~2 waves."""
+    and contexts are long: then enough chunks of >= MIN_SPLIT_TOKENS keys for ~2 waves,
+    rounded down to a power of two (each count is a compiled variant: few of them)."""
     if max_query_len > block_q:
         return 1
     programs = num_seqs * num_kv_heads
     by_length = max_seq_len // MIN_SPLIT_TOKENS
     if programs >= num_sms or by_length < 2:
         return 1
-    return min(MAX_SPLITS, by_length, -(-2 * num_sms // programs))
+    return 1 << (min(MAX_SPLITS, by_length, -(-2 * num_sms // programs)).bit_length() - 1)
+
+
+def possible_num_splits(num_kv_heads: int, max_seq_len: int, num_sms: int) -> list[int]:
+    """Every split count choose_num_splits can return when contexts reach max_seq_len."""
+    most = choose_num_splits(1, num_kv_heads, 1, 1, max_seq_len, num_sms)
+    return [1 << i for i in range(most.bit_length())]
+
+
+def warm_up(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+            block_size: int, max_seq_len: int, num_sms: int) -> int:
+    """Compile every kernel variant a run of this model can launch, by launching each once
+    on a scratch pool: reshape_and_cache, and paged_attention for both tile shapes with
+    every split count (and its merge kernel). Inputs are laid out as the model hands them
+    (q, k rotated copies, v a view of the fused qkv projection), so strides and
+    alignments specialise alike. Returns the number of paged_attention launches."""
+    group = num_q_heads // num_kv_heads
+    cache = torch.zeros(2, 1, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    elem = cache.element_size()
+    # one query length per tile shape: a decode's, and the shortest the decode tile cannot hold
+    by_tile = {tile_shape(num_q_heads, num_kv_heads, head_dim, n, elem): n for n in (max(2, 16 // group + 1), 1)}
+    launches = 0
+    for (_, block_q, _), q_len in by_tile.items():
+        qkv = torch.zeros(q_len, num_q_heads + 2 * num_kv_heads, head_dim, dtype=dtype, device=device)
+        q = torch.zeros(q_len, num_q_heads, head_dim, dtype=dtype, device=device)
+        k = torch.zeros(q_len, num_kv_heads, head_dim, dtype=dtype, device=device)
+        reshape_and_cache(k, qkv[:, num_q_heads + num_kv_heads:], cache[0], cache[1],
+                          torch.zeros(q_len, dtype=torch.long, device=device))
+        qsl = torch.tensor([0, q_len], dtype=torch.int32, device=device)
+        seq_lens = torch.tensor([q_len], dtype=torch.int32, device=device)
+        for n in possible_num_splits(num_kv_heads, max_seq_len, num_sms) if q_len <= block_q else [1]:
+            paged_attention(q, cache[0], cache[1], torch.empty_like(q), qsl, seq_lens, tables,
+                            scale=1.0, max_query_len=q_len, max_seq_len=max_seq_len, num_sms=num_sms,
+                            num_splits=n)
+            launches += 1
+    return launches
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,

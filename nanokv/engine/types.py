@@ -53,10 +53,17 @@ class ScheduledBatch:
 
     The scheduler lists running decodes before prefill chunks, but the runner must not
     rely on any order: it groups sequences by query length itself.
+
+    freed_seq_ids: sequences the scheduler freed (finished, aborted, preempted) since
+        the last batch it handed out, once per free, handed over in the next batch that
+        holds sequences. The runner drops what it keeps per sequence (block-table rows);
+        a preempted sequence that comes back starts afresh. Ids the runner never saw (a
+        request aborted while waiting) mean nothing to it.
     """
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
     num_tokens: int = 0
+    freed_seq_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -40,7 +40,7 @@ class TensorParallelExecutor(Executor):
             proc.start()
             self.workers.append(proc)
             pipes.append(recv)
-        self._finalizer = weakref.finalize(self, _shutdown, self.workers, self.device)
+        self._finalizer = weakref.finalize(self, _shutdown, self.workers)
         try:
             tpd.init_group(0, size, init_method, self.device)
             self.runner = ModelRunner(config, TP(0, size))
@@ -64,10 +64,10 @@ class TensorParallelExecutor(Executor):
         that breaks means a worker died: the engine cannot go on."""
         self.check_workers()
         runner = self.runner
-        inputs = runner.prepare(batch)
+        packed = runner.pack(batch)
         try:
-            send_step(inputs, self.device)
-            logits = runner.forward(inputs)
+            send_step(packed)  # the workers get the same host buffer ...
+            logits = runner.forward(runner.unpack(packed))  # ... and unpack it as rank 0 does
             if logits is not None:
                 logits = tpd.gather_cat(logits, self.size)  # [N, vocab]
         except RuntimeError as e:
@@ -100,12 +100,12 @@ def _describe_exit(rank: int, code: int | None) -> str:
     return f"rank {rank} (exit code {code})"
 
 
-def _shutdown(workers, device) -> None:
+def _shutdown(workers) -> None:
     """Tell the worker ranks to stop, wait briefly, then make sure they are gone."""
     try:
         if tpd.group_exists():
             if all(p.is_alive() for p in workers):
-                send_shutdown(device)
+                send_shutdown()
             tpd.destroy_group()
     except Exception:  # a broken group: the workers are killed below anyway
         pass

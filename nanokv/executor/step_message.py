@@ -1,12 +1,13 @@
-"""One step as two broadcasts from rank 0 to the tensor-parallel workers.
+"""One step as two broadcasts of host memory from rank 0 to the tensor-parallel workers.
 
-  1. header: int64[8] = [op, num_tokens T, num_seqs B, num_decodes, table width W,
-     num_logits_rows R, 0, 0]; op 1 = run a step, op 0 = shut down.
-  2. payload: int64[3T + (B + 1) + B + B*W + R] = input_ids[T] | positions[T] |
-     slot_mapping[T] | query_start_loc[B+1] | seq_lens[B] | block_tables[B, W] (row-major) |
-     logits_rows[R].
+  1. header: int64[12] = [op, *StepSizes (8 ints), buffer words, 0, 0]; op 1 = run a
+     step, op 0 = shut down.
+  2. the step's packed buffer: the very int32 buffer rank 0 built (runner/inputs.py), which
+     each worker copies to its device once, as rank 0 does.
 
-Workers never see the scheduler's Python objects, only these tensors.
+Both travel over the host (gloo) group, also when the ranks compute on CUDA (NCCL): the
+sizes and host-side lengths a worker needs are in host memory, so it never syncs its
+device to read step metadata. Workers never see the scheduler's Python objects.
 """
 
 from __future__ import annotations
@@ -14,45 +15,32 @@ from __future__ import annotations
 import torch
 
 from nanokv import distributed as tpd
-from nanokv.attention import AttentionMetadata
-from nanokv.runner.model_runner import StepInputs
+from nanokv.runner.inputs import PackedStep, StepSizes
 
 OP_SHUTDOWN, OP_STEP = 0, 1
-HEADER_LEN = 8
+HEADER_LEN = 12
+_NUM_SIZES = len(StepSizes.__dataclass_fields__)
 
 
-def send_step(inputs: StepInputs, device: torch.device) -> None:
-    input_ids, positions, meta, logits_rows = inputs
-    T, B, W = input_ids.shape[0], meta.seq_lens.shape[0], meta.block_tables.shape[1]
-    R = 0 if logits_rows is None else logits_rows.shape[0]
-    header = torch.tensor([OP_STEP, T, B, meta.num_decodes, W, R, 0, 0], dtype=torch.long, device=device)
-    parts = [input_ids, positions, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
-             meta.block_tables.reshape(-1)]
-    if R:
-        parts.append(logits_rows)
-    tpd.broadcast(header)
-    tpd.broadcast(torch.cat([p.to(device=device, dtype=torch.long) for p in parts]))
+def send_step(packed: PackedStep) -> None:
+    header = [OP_STEP, *packed.sizes.as_list(), packed.buffer.numel()]
+    tpd.broadcast_host(torch.tensor(header + [0] * (HEADER_LEN - len(header)), dtype=torch.long))
+    tpd.broadcast_host(packed.buffer)
 
 
-def send_shutdown(device: torch.device) -> None:
-    header = torch.zeros(HEADER_LEN, dtype=torch.long, device=device)
-    header[0] = OP_SHUTDOWN
-    tpd.broadcast(header)
+def send_shutdown() -> None:
+    tpd.broadcast_host(torch.zeros(HEADER_LEN, dtype=torch.long))  # op 0
 
 
-def receive_step(device: torch.device) -> StepInputs | None:
-    """A worker's side: the next step, or None when rank 0 says shut down."""
-    header = torch.empty(HEADER_LEN, dtype=torch.long, device=device)
-    tpd.broadcast(header)
-    op, T, B, num_decodes, W, R = header.tolist()[:6]
-    if op == OP_SHUTDOWN:
+def receive_step(pin_memory: bool) -> PackedStep | None:
+    """A worker's side: the next step (its buffer pinned when the worker copies it to
+    CUDA), or None when rank 0 says shut down."""
+    header = torch.empty(HEADER_LEN, dtype=torch.long)
+    tpd.broadcast_host(header)
+    values = header.tolist()
+    if values[0] == OP_SHUTDOWN:
         return None
-    payload = torch.empty(3 * T + (B + 1) + B + B * W + R, dtype=torch.long, device=device)
-    tpd.broadcast(payload)
-    ids, positions, slots, qsl, seq_lens, tables, rows = torch.split(payload, [T, T, T, B + 1, B, B * W, R])
-    qsl, seq_lens = qsl.to(torch.int32), seq_lens.to(torch.int32)
-    q_lens = (qsl[1:] - qsl[:-1]).tolist()
-    seq_lens_cpu = seq_lens.tolist()
-    meta = AttentionMetadata(slots, qsl, seq_lens, tables.view(B, W).to(torch.int32), num_decodes,
-                             max(q_lens), max(seq_lens_cpu), q_lens, seq_lens_cpu)
-    return StepInputs(ids, positions, meta, rows if R else None)
+    sizes = StepSizes(*values[1:1 + _NUM_SIZES])
+    buffer = torch.empty(values[1 + _NUM_SIZES], dtype=torch.int32, pin_memory=pin_memory)
+    tpd.broadcast_host(buffer)
+    return PackedStep(sizes, buffer)

@@ -40,7 +40,8 @@ def worker_main(config, rank: int, size: int, init_method: str, ready) -> None:
 
 @torch.inference_mode()
 def serve(runner: ModelRunner) -> None:
-    while (inputs := receive_step(runner.device)) is not None:
-        logits = runner.forward(inputs)
+    pin = runner.device.type == "cuda"
+    while (packed := receive_step(pin)) is not None:
+        logits = runner.forward(runner.unpack(packed))
         if logits is not None:
             tpd.send_to_rank0(logits)

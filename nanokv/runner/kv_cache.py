@@ -32,32 +32,43 @@ def available_cpu_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def num_kv_blocks(config: EngineConfig, block_bytes: int, activation_bytes: int = 0) -> int:
+def num_kv_blocks(config: EngineConfig, block_bytes: int, activation_bytes: int = 0, own_bytes: int = 0,
+                  mem_info=None) -> int:
     """Pool size in blocks; ValueError, naming the knob, when one max_model_len sequence
     does not fit.
 
-    CUDA: gpu_memory_utilization of the device's total memory, minus what is already
-    allocated (weights) and the profiled activation peak (activation_bytes), and never
-    more than is free. CPU: kv_cache_memory_bytes, by default 4 GiB capped as below."""
+    CUDA: this LLM may hold gpu_memory_utilization of the device's total memory: its own
+    weights (own_bytes, measured around its load), its profiled activation peak
+    (activation_bytes) and the pool; and the pool never takes more than is free now, less
+    that activation peak, so a second LLM in the process sizes its pool from what the
+    first left. CPU: kv_cache_memory_bytes, by default 4 GiB, at most half the free RAM.
+    Either way no more than max_num_seqs full-length sequences could use (a small model
+    must not get millions of blocks, each a Python object of the block manager), unless
+    num_kvcache_blocks or kv_cache_memory_bytes says otherwise. mem_info: (free, total) bytes of the device, for
+    tests (default torch.cuda.mem_get_info)."""
+    most = config.max_num_seqs * -(-config.max_model_len // config.block_size)
     if config.num_kvcache_blocks is not None:
         num_blocks, knob = config.num_kvcache_blocks, "num_kvcache_blocks"
     elif config.device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(config.device)
-        weights = torch.cuda.memory_allocated(config.device)
-        budget = int(config.gpu_memory_utilization * total) - weights - activation_bytes
-        budget = min(budget, free - activation_bytes)
-        if config.kv_cache_memory_bytes is not None:
-            budget = min(budget, config.kv_cache_memory_bytes)
+        free, total = (mem_info or torch.cuda.mem_get_info)(config.device)
+        share = int(config.gpu_memory_utilization * total) - own_bytes - activation_bytes
+        budget = min(share, free - activation_bytes)
+        if config.kv_cache_memory_bytes is not None:  # an explicit budget is not capped (as on the CPU)
+            budget, most = min(budget, config.kv_cache_memory_bytes), None
         num_blocks, knob = max(budget, 0) // block_bytes, "gpu_memory_utilization"
+        num_blocks = num_blocks if most is None else min(num_blocks, most)
+        if share > free - activation_bytes and (most is None or num_blocks < most):
+            logger.info("KV pool sized by the free device memory (%.2f GiB free, %.2f GiB of the %.0f%% share "
+                        "left): another LLM or process holds the rest", free / 2**30, share / 2**30,
+                        100 * config.gpu_memory_utilization)
     else:
         budget = config.kv_cache_memory_bytes
         knob = "kv_cache_memory_bytes"
-        if budget is None:
-            # 4 GiB (vLLM's CPU default), at most half the free RAM, and no more than
-            # max_num_seqs full-length sequences could ever use
-            most = config.max_num_seqs * -(-config.max_model_len // config.block_size) * block_bytes
-            budget = min(_CPU_DEFAULT_BUDGET, available_cpu_memory() // 2, most)
-        num_blocks = budget // block_bytes
+        if budget is None:  # 4 GiB (vLLM's CPU default), at most half the free RAM
+            budget = min(_CPU_DEFAULT_BUDGET, available_cpu_memory() // 2)
+            num_blocks = min(budget // block_bytes, most)
+        else:
+            num_blocks = budget // block_bytes
     capacity = num_blocks * config.block_size
     if capacity < config.max_model_len:
         raise ValueError(

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
-from itertools import chain
-from typing import NamedTuple
 
 import torch
 
-from nanokv.attention import AttentionMetadata, get_backend
+from nanokv.attention import get_backend
 from nanokv.config import EngineConfig
 from nanokv.distributed import TP
 from nanokv.engine.types import ScheduledBatch, ScheduledSeq, StepOutput, TokenLogprobs
@@ -19,19 +17,11 @@ from nanokv.layers.sampler import Sampler, SamplerOutput, SamplingTensors, seed_
 from nanokv.loader import build_model
 from nanokv.models import get_model_class
 from nanokv.runner.cuda_graph import DecodeGraphs
+from nanokv.runner.inputs import PackedStep, StepInputs, StepPacker, unpack_step
 from nanokv.runner.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 from nanokv.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanokv")
-
-
-class StepInputs(NamedTuple):
-    """One step as tensors: what every rank's forward needs (the TP executor broadcasts it)."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
-    logits_rows: torch.Tensor | None  # [N] rows whose logits are sampled, in batch order
 
 
 class ModelRunner:
@@ -51,6 +41,7 @@ class ModelRunner:
             self.device = torch.device("cuda", tp.rank)
             torch.cuda.set_device(self.device)
         hf = config.hf_config
+        allocated = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.model = build_model(get_model_class(config.architecture), hf, config.model,
                                  config.dtype, self.device, config.max_model_len, tp)
         # the C kernels or torch, for every layer at once (compiles them on first use)
@@ -63,10 +54,17 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.backend = self.backend
         self.kv_shape = (hf.num_hidden_layers, self.attn_layers[0].num_kv_heads, config.head_dim)
+        # the persistent block table: a row per running sequence (runner/inputs.py)
+        self.block_table = torch.zeros(config.max_num_seqs, -(-config.max_model_len // self.block_size),
+                                       dtype=torch.int32, device=self.device)
+        self._packer: StepPacker | None = None  # rank 0's, made at its first step
         self.use_graphs = (config.device.type == "cuda" and not config.enforce_eager
                            and self.backend.supports_cuda_graphs and tp.size == 1)
+        # this LLM's own weights: another LLM in the process may hold memory too
+        weight_bytes = torch.cuda.memory_allocated(self.device) - allocated if self.device.type == "cuda" else 0
         activation_bytes = self._profile_activation_bytes(self.use_graphs) if config.device.type == "cuda" else 0
-        self.max_num_blocks = num_kv_blocks(config, bytes_per_block(config, *self.kv_shape), activation_bytes)
+        self.max_num_blocks = num_kv_blocks(config, bytes_per_block(config, *self.kv_shape), activation_bytes,
+                                            weight_bytes)
         self.num_blocks = 0
         self.kv_cache: torch.Tensor | None = None
         self.graphs = None
@@ -83,6 +81,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # one block more than the block manager hands out: the scratch block of padding rows
         self._set_kv_cache(allocate_kv_cache(self.config, num_blocks + 1, *self.kv_shape))
+        first = self.attn_layers[0]  # this rank's heads
+        self.backend.warm_up(first.num_heads, first.num_kv_heads, first.head_dim, self.config.dtype, self.device,
+                             self.block_size, self.config.max_model_len)
         if self.use_graphs:
             cfg = self.config
             self.graphs = DecodeGraphs(self.model, self.backend, self.block_size, cfg.max_num_seqs,
@@ -111,7 +112,11 @@ class ModelRunner:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        input_ids, positions, meta, rows = self.prepare(batch)
+        try:
+            input_ids, positions, meta, rows = self.prepare(batch)
+        finally:  # the profiling batch's made-up sequences hold no rows, and their block ids are gone
+            self.packer.rows.reset()
+            self.block_table.zero_()
         self.backend.prepare(meta, bs)
         hidden = self.model(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden[rows.repeat(-(-cfg.max_num_seqs // len(rows)))[:cfg.max_num_seqs]])
@@ -229,51 +234,31 @@ class ModelRunner:
              torch.tensor(seen_ids, dtype=torch.long, device=dev)] = True
         t.output_counts, t.seen_mask = counts, seen
 
+    # ---- inputs (runner/inputs.py) ---------------------------------------------------------
+    @property
+    def packer(self) -> StepPacker:
+        if self._packer is None:
+            host = self.block_table if self.device.type == "cpu" else torch.zeros_like(self.block_table, device="cpu")
+            self._packer = StepPacker(self.block_size, host, pin_memory=self.device.type == "cuda")
+        return self._packer
+
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        seqs = batch.seqs
-        # Decodes (one query token) first, shortest context first, then prefill chunks,
-        # shortest first: backends that pad groups of similar sequences waste little.
-        order = sorted((i for i, s in enumerate(seqs) if len(s.token_ids) == 1), key=lambda i: seqs[i].start_pos)
-        num_decodes = len(order)
-        order += sorted((i for i, s in enumerate(seqs) if len(s.token_ids) != 1),
-                        key=lambda i: len(seqs[i].token_ids))
-        ordered = [seqs[i] for i in order]
-        q_lens = [len(s.token_ids) for s in ordered]
-        starts = [s.start_pos for s in ordered]
-        seq_lens = [a + b for a, b in zip(starts, q_lens)]
-        width = max(len(s.block_table) for s in ordered)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in ordered]
+        """The step's inputs on this rank's device (pack, then unpack)."""
+        return self.unpack(self.pack(batch))
 
-        cu = [0]
-        for n in q_lens:
-            cu.append(cu[-1] + n)
-        num_tokens = cu[-1]
-        q_lens_t = torch.tensor(q_lens)
-        owner = torch.repeat_interleave(torch.arange(len(ordered)), q_lens_t, output_size=num_tokens)
-        cu_t = torch.tensor(cu, dtype=torch.int32)
-        positions = torch.arange(num_tokens) - cu_t[:-1][owner] + torch.tensor(starts)[owner]
-        tables_t = torch.tensor(tables, dtype=torch.int32)
-        bs = self.block_size
-        slots = tables_t[owner, positions // bs].long() * bs + positions % bs
+    def pack(self, batch: ScheduledBatch) -> PackedStep:
+        """Rank 0: the step in one host buffer, which the tensor-parallel executor also sends."""
+        return self.packer.pack(batch)
 
-        rank = {orig: k for k, orig in enumerate(order)}
-        logits_rows = [cu[rank[i] + 1] - 1 for i, s in enumerate(seqs) if s.sample]
-
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(dev),
-            query_start_loc=cu_t.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
-            block_tables=tables_t.to(dev),
-            num_decodes=num_decodes,
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=q_lens,
-            seq_lens_cpu=seq_lens,
-        )
-        input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in ordered))).to(dev)
-        rows = torch.tensor(logits_rows).to(dev) if logits_rows else None
-        return StepInputs(input_ids, positions.to(dev), meta, rows)
+    def unpack(self, packed: PackedStep) -> StepInputs:
+        """Every rank: the packed step on the device, this rank's block table updated."""
+        same = self._packer is not None and self._packer.rows.table is self.block_table
+        try:
+            return unpack_step(packed, self.block_table, apply_writes=not same)
+        except BaseException:
+            if self._packer is not None:  # the writes may not have reached the table: start rows afresh
+                self._packer.rows.reset()
+            raise
 
 
 def _keep_rows(rows: torch.Tensor | None, device: torch.device) -> torch.Tensor:

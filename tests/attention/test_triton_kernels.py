@@ -22,7 +22,8 @@ from nanokv import LLM, SamplingParams  # noqa: E402
 from nanokv.attention.base import AttentionMetadata  # noqa: E402
 from nanokv.attention.torch_ref import TorchRefBackend  # noqa: E402
 from nanokv.attention.triton_backend import TritonBackend  # noqa: E402
-from nanokv.attention.triton_kernels import choose_num_splits, reshape_and_cache, tile_shape  # noqa: E402
+from nanokv.attention.triton_kernels import (MAX_SPLITS, choose_num_splits, possible_num_splits,  # noqa: E402
+                                             reshape_and_cache, tile_shape, warm_up)
 from nanokv.testing.tiny import GENERATION_EOS_TOKEN_IDS  # noqa: E402
 
 from ..conftest import hf_greedy, random_prompts  # noqa: E402
@@ -322,3 +323,72 @@ def test_cuda_auto_heuristic_splits_long_decodes():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     block_q = tile_shape(32, 8, 128, 1)[1]
     assert choose_num_splits(batch.meta.num_seqs, 8, 1, block_q, batch.meta.max_seq_len, sms) > 1
+
+
+def test_auto_never_picks_flash_attn_for_float32(monkeypatch):
+    import nanokv.attention as attention
+
+    monkeypatch.setattr(attention, "_importable", lambda module: True)  # flash_attn and triton "installed"
+    cuda = torch.device("cuda")
+    assert attention.resolve_backend("auto", cuda, 256, torch.bfloat16, 128) == "flash_attn"
+    assert attention.resolve_backend("auto", cuda, 256, torch.float16, 128) == "flash_attn"
+    assert attention.resolve_backend("auto", cuda, 256, torch.float32, 128) == "triton"
+    with pytest.raises(ValueError, match="float16 and bfloat16"):
+        attention.resolve_backend("flash_attn", cuda, 256, torch.float32, 128)
+
+
+def test_split_counts_are_powers_of_two_and_warm_up_lists_them_all():
+    seen = set()
+    for num_kv_heads in (1, 2, 8):
+        for num_seqs in range(1, 80):
+            for max_seq_len in (255, 300, 700, 1500, 5000, 40960):
+                n = choose_num_splits(num_seqs, num_kv_heads, 1, 4, max_seq_len, num_sms=132)
+                assert n & (n - 1) == 0 and n <= MAX_SPLITS
+                assert n in possible_num_splits(num_kv_heads, max_seq_len, 132)
+                seen.add(n)
+    assert seen == {1, 2, 4, 8, 16, 32, 64}
+    assert possible_num_splits(8, 40960, 132) == [1, 2, 4, 8, 16, 32]  # Qwen3-0.6B on an H200
+
+
+@needs_triton_device
+def test_warm_up_launches_every_variant():
+    # group 2: decode tile (16 rows) and prefill tile (64 rows, 32 queries), each with 1, 2, 4 splits
+    assert possible_num_splits(2, 1024, 8) == [1, 2, 4]
+    assert warm_up(4, 2, 32, torch.float32, torch.device(DEVICE), 16, 1024, num_sms=8) == 2 * 3
+    # group 32: one tile shape whatever the query length
+    assert warm_up(32, 1, 16, torch.float32, torch.device(DEVICE), 16, 300, num_sms=8) == 1
+
+
+def test_varying_step_sizes_are_not_specialised_on():
+    from nanokv.attention import triton_kernels as tk
+
+    def unspecialised(fn):  # a JITFunction, or the interpreter's stand-in (which keeps jit's kwargs)
+        return set(getattr(fn, "do_not_specialize", None) or fn.kwargs.get("do_not_specialize", ()))
+
+    assert {"num_seqs", "stride_bt"} <= unspecialised(tk._paged_attention_kernel)
+    assert {"num_tokens"} <= unspecialised(tk._reshape_and_cache_kernel)
+
+
+def _compiled_variants(fn) -> int:
+    caches = getattr(fn, "device_caches", None)  # triton >= 3.2: device -> (kernel cache, ...)
+    if caches is None:
+        pytest.skip("this triton keeps its compiled kernels elsewhere")
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+@pytest.mark.gpu
+@needs_compiled_cuda
+def test_cuda_nothing_compiles_after_warm_up(checkpoint):
+    """Steps of every size (batch 1 to 9, contexts up to 1000, prefill chunks beside decodes)
+    launch only kernel variants the LLM's warm-up compiled."""
+    from nanokv.attention import triton_kernels as tk
+
+    llm = LLM(checkpoint("qwen3-tiny"), dtype="bfloat16", attention_backend="triton", max_model_len=1024,
+              max_num_batched_tokens=512, enforce_eager=True)
+    kernels = (tk._paged_attention_kernel, tk._merge_splits_kernel, tk._reshape_and_cache_kernel)
+    before = [_compiled_variants(k) for k in kernels]
+    prompts = random_prompts([1, 7, 40, 200, 600, 900, 3, 17, 64], 1024, seed=21)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (100, 90, 80, 70, 60, 50, 9, 5, 1)]
+    llm.generate(prompts[:1], params[:1], use_tqdm=False)  # one long decode alone: the most splits
+    llm.generate(prompts, params, use_tqdm=False)
+    assert [_compiled_variants(k) for k in kernels] == before

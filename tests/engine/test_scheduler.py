@@ -223,3 +223,49 @@ def test_requests_sharing_a_new_prefix_compute_it_once():
     assert bm.in_flight == {}
     for seq, p in zip(seqs, prompts):
         assert seq.output_token_ids == reference_generate(p, 4)
+
+
+def test_freed_seq_ids_reach_the_runner_once_per_free():
+    """Every free (finish, preemption) is listed in exactly one later batch that holds
+    sequences, before the sequence is scheduled again; a sequence that was never freed
+    is never listed."""
+    sched, runner = make_engine(num_blocks=16, block_size=4, max_num_seqs=8, budget=64)
+    seqs = [add(sched, [(5 * i + j) % 50 for j in range(10 + 3 * i)], max_tokens=20) for i in range(6)]
+    listed, frees = Counter(), Counter()
+    original_free = sched.block_manager.free
+
+    def counting_free(seq):
+        frees[seq.seq_id] += 1
+        original_free(seq)
+
+    sched.block_manager.free = counting_free
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        assert batch.seqs or not batch.freed_seq_ids
+        listed.update(batch.freed_seq_ids)
+        for item in batch.seqs:  # scheduled again only after its free was reported
+            assert listed[item.seq_id] == frees[item.seq_id]
+        sched.update(batch, runner.execute(batch))
+    batch = sched.schedule()  # nothing left to run: the last frees wait for a batch with sequences
+    assert not batch.seqs and not batch.freed_seq_ids
+    add(sched, [1, 2, 3], max_tokens=1)
+    listed.update(sched.schedule().freed_seq_ids)
+    assert sched.num_preemptions > 0
+    assert listed == frees and set(listed) == {s.seq_id for s in seqs}
+    assert sum(listed.values()) == len(seqs) + sched.num_preemptions
+
+
+def test_aborted_and_stopped_sequences_are_listed_as_freed():
+    sched, runner = make_engine()
+    a = add(sched, list(range(1, 20)), max_tokens=30)
+    b = add(sched, [3, 4, 5], max_tokens=30)
+    c = add(sched, [6, 7], max_tokens=30)
+    batch = sched.schedule()
+    assert batch.freed_seq_ids == []
+    sched.update(batch, runner.execute(batch))
+    sched.abort(a)
+    sched.stop(b, "a stop string")
+    batch = sched.schedule()
+    assert [s.seq_id for s in batch.seqs] == [c.seq_id] and batch.freed_seq_ids == [a.seq_id, b.seq_id]
+    sched.update(batch, runner.execute(batch))
+    assert sched.schedule().freed_seq_ids == []

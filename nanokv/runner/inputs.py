@@ -1,0 +1,312 @@
+"""Step inputs: the persistent block table and the one packed buffer a step travels in.
+
+Rank 0 turns a ScheduledBatch into a PackedStep (StepPacker.pack): every per-step input in
+one int32 host buffer, pinned on CUDA (its int64 sections are views of pairs of words),
+and the few sizes that say how to read it. Every rank then unpacks it (unpack_step): one
+copy to the device (non_blocking from pinned memory; none on the CPU), views of that
+copy, the step's block-table writes applied to the rank's persistent table, and the
+step's rows gathered from it. Tensor-parallel workers receive the same PackedStep
+(executor/step_message.py) and read its sizes and host-side lengths from host memory, so
+no rank reads step metadata back from its device.
+
+The block table is persistent (vLLM v1's BlockTable): one row per running sequence,
+written only when the sequence gains blocks (its whole table when it is admitted, one
+entry every block_size decode tokens) and released when the scheduler frees the sequence
+(ScheduledBatch.freed_seq_ids). A step carries only the new entries, so the host work per
+step grows with the number of sequences, not with their context length.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from array import array
+from dataclasses import astuple, dataclass
+from functools import lru_cache
+from operator import itemgetter
+from typing import NamedTuple
+
+import torch
+
+from nanokv.attention import AttentionMetadata
+from nanokv.engine.types import ScheduledBatch
+
+_ALIGN = 16  # int32 words: every section starts on a 64-byte boundary (Triton specialises on alignment)
+_PREFILL_KEY = 1 << 40  # sort key offset: decodes (by context) before prefill chunks (by length)
+
+
+class StepInputs(NamedTuple):
+    """One step as tensors on the rank's device: what its forward needs."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor | None  # [N] rows whose logits are sampled, in batch order
+
+
+@dataclass(frozen=True)
+class StepSizes:
+    """How to read a packed step: section lengths and the host-side maxima."""
+
+    num_tokens: int  # T
+    num_seqs: int  # B
+    num_decodes: int
+    num_logits_rows: int  # R
+    num_table_writes: int  # K: new block-table entries this step
+    table_width: int  # W: block-table columns this step reads
+    max_query_len: int
+    max_seq_len: int
+
+    def as_list(self) -> list[int]:
+        return list(astuple(self))
+
+
+class _Layout(NamedTuple):
+    """Offsets (in int32 words) of a packed step's sections, each _ALIGN-aligned: int64
+    input_ids, positions, slot_mapping [T], logits_rows [R], write_index [K]; then int32
+    query_start_loc [B + 1], seq_lens [B], rows [B] (of the persistent table), write_values [K]."""
+
+    input_ids: int
+    positions: int
+    slot_mapping: int
+    logits_rows: int
+    write_index: int
+    query_start_loc: int
+    seq_lens: int
+    rows: int
+    write_values: int
+    total: int
+
+
+def _layout(s: StepSizes) -> _Layout:
+    offsets, at = [], 0
+    for words in (2 * s.num_tokens, 2 * s.num_tokens, 2 * s.num_tokens, 2 * s.num_logits_rows,
+                  2 * s.num_table_writes, s.num_seqs + 1, s.num_seqs, s.num_seqs, s.num_table_writes):
+        offsets.append(at)
+        at += -(-words // _ALIGN) * _ALIGN
+    return _Layout(*offsets, at)
+
+
+@dataclass
+class PackedStep:
+    """One step's inputs in one int32 host buffer (pinned when the step runs on CUDA).
+    query_lens / seq_lens: the host-side lengths in step order when the packer has them
+    (rank 0); a receiving rank reads them from the buffer."""
+
+    sizes: StepSizes
+    buffer: torch.Tensor  # [layout.total] int32, host
+    query_lens: list[int] | None = None
+    seq_lens: list[int] | None = None
+
+
+# the sections' dtypes, in _Layout's order
+_DTYPES = (torch.int64,) * 5 + (torch.int32,) * 4
+
+
+@lru_cache(maxsize=256)
+def _struct(fmt: str) -> struct.Struct:
+    return struct.Struct(fmt)
+
+
+def _tensor(values, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A list of ints as a tensor: through array, several times faster than torch.tensor."""
+    return torch.frombuffer(array("q" if dtype == torch.int64 else "i", values), dtype=dtype) if values \
+        else torch.empty(0, dtype=dtype)
+
+
+def _section(buf: torch.Tensor, offset: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.int64:
+        return buf[offset:offset + 2 * n].view(torch.int64)
+    return buf[offset:offset + n]
+
+
+class BlockTableRows:
+    """Rank 0's bookkeeping of the persistent block table: which row each running sequence
+    holds and how many of its entries the row already has. `table` is rank 0's host copy
+    (the device table itself on the CPU); slot mappings are read from it."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table  # [num_rows, width] int32, host
+        self.num_rows, self.width = table.shape
+        self.row_of: dict[int, int] = {}  # seq id -> row
+        self.held = [0] * self.num_rows  # leading entries of each row that are the sequence's
+        self.free_rows = list(range(self.num_rows - 1, -1, -1))  # pop() hands out the lowest
+
+    def release(self, seq_ids) -> None:
+        for seq_id in seq_ids:
+            row = self.row_of.pop(seq_id, None)
+            if row is not None:
+                self.held[row] = 0
+                self.free_rows.append(row)
+
+    def reset(self) -> None:
+        """Forget every row: each sequence is written afresh at its next step."""
+        self.release(list(self.row_of))
+
+    def assign(self, seq_id: int, step_seqs) -> int:
+        """A free row for seq_id; step_seqs: the step's sequences (their rows stay)."""
+        if not self.free_rows:
+            # Only when sequences were freed without word (a batch that never reached the
+            # runner): take back every row that no sequence of this step holds.
+            live = {s.seq_id for s in step_seqs}
+            self.release([s for s in self.row_of if s not in live])
+            assert self.free_rows, "a step holds more sequences than the block table has rows (max_num_seqs)"
+        row = self.free_rows.pop()
+        self.row_of[seq_id] = row
+        return row
+
+
+class StepPacker:
+    """Rank 0: ScheduledBatch -> PackedStep. Sequences are ordered decodes first, shortest
+    context first, then prefill chunks, shortest first (backends that group or pad
+    similar sequences waste little); logits rows stay in batch order."""
+
+    def __init__(self, block_size: int, table: torch.Tensor, pin_memory: bool):
+        self.block_size = block_size
+        self.rows = BlockTableRows(table)
+        self.pin_memory = pin_memory
+        self.decode_fast_path = True  # False: decode-only steps take the general path too (tests)
+
+    def pack(self, batch: ScheduledBatch) -> PackedStep:
+        try:
+            return self._pack(batch)
+        except BaseException:
+            self.rows.reset()  # a half-recorded step must not leave rows out of step with the tables
+            raise
+
+    def _pack(self, batch: ScheduledBatch) -> PackedStep:
+        rows_state = self.rows
+        rows_state.release(batch.freed_seq_ids)
+        seqs = batch.seqs
+        row_of, held, full_width = rows_state.row_of, rows_state.held, rows_state.width
+        rows, starts, ids, write_index, write_values, width = [], [], [], [], [], 0
+        for s in seqs:  # O(sequences): only a row's new entries are copied
+            row = row_of.get(s.seq_id)
+            if row is None:
+                row = rows_state.assign(s.seq_id, seqs)
+            rows.append(row)
+            table = s.block_table
+            n, have = len(table), held[row]
+            if n != have:  # new blocks (or, should a table ever shrink, rewrite it)
+                assert n <= full_width, f"a block table of {n} blocks exceeds max_model_len ({full_width} blocks)"
+                have = have if n > have else 0
+                base = row * full_width
+                write_index += range(base + have, base + n)
+                write_values += table[have:n]
+                held[row] = n
+            if n > width:
+                width = n
+            starts.append(s.start_pos)
+            ids += s.token_ids
+        if write_index:
+            rows_state.table.view(-1).index_copy_(0, _tensor(write_index), _tensor(write_values, torch.int32))
+        writes = (write_index, write_values)
+        if len(ids) == len(seqs) and self.decode_fast_path:
+            return self._pack_decodes(seqs, rows, starts, ids, writes, width)
+        return self._pack_general(seqs, rows, starts, ids, writes, width)
+
+    def _pack_decodes(self, seqs, rows, starts, ids, writes, width) -> PackedStep:
+        """One query token per sequence: plain lists in step order, written into the
+        buffer by one struct call (cheaper than any tensor op at these sizes)."""
+        bs, num_seqs = self.block_size, len(seqs)
+        order = sorted(range(num_seqs), key=starts.__getitem__)  # stable: shortest context first
+        pick = itemgetter(*order) if num_seqs > 1 else (lambda xs: (xs[order[0]],))
+        positions = pick(starts)
+        slots = pick([s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, starts)])
+        rank = [0] * num_seqs
+        for k, i in enumerate(order):
+            rank[i] = k
+        samples = [s.sample for s in seqs]
+        logits_rows = rank if all(samples) else [k for k, keep in zip(rank, samples) if keep]
+        seq_lens = [p + 1 for p in positions]
+        sizes = StepSizes(num_seqs, num_seqs, num_seqs, len(logits_rows), len(writes[0]), width, 1, max(seq_lens))
+        sections = (pick(ids), positions, slots, logits_rows, writes[0],
+                    range(num_seqs + 1), seq_lens, pick(rows), writes[1])
+        return PackedStep(sizes, self._buffer(sizes, sections), [1] * num_seqs, seq_lens)
+
+    def _pack_general(self, seqs, rows, starts, ids, writes, width) -> PackedStep:
+        """Prefill chunks (and decodes beside them): positions, token order and slot
+        mapping with tensor ops over the tokens."""
+        q_lens = [len(s.token_ids) for s in seqs]
+        num_seqs, num_tokens = len(seqs), len(ids)
+        q, starts_t = _tensor(q_lens), _tensor(starts)
+        order = torch.argsort(torch.where(q == 1, starts_t, q + _PREFILL_KEY), stable=True)
+        q_s, starts_s, rows_s = q[order], starts_t[order], _tensor(rows)[order]
+        seq_lens = starts_s + q_s
+        cu = torch.zeros(num_seqs + 1, dtype=torch.int64)
+        torch.cumsum(q_s, 0, out=cu[1:])
+        owner = torch.repeat_interleave(q_s, output_size=num_tokens)  # [T] its sequence, in step order
+        offset = torch.arange(num_tokens) - cu[:-1][owner]
+        positions = starts_s[owner] + offset
+        first_in_batch = (torch.cumsum(q, 0) - q)[order]  # where each sequence's tokens start in ids
+        input_ids = _tensor(ids)[first_in_batch[owner] + offset]
+        bs = self.block_size
+        slots = self.rows.table[rows_s[owner], positions // bs].long() * bs + positions % bs
+        logits_rows = (cu[1:] - 1)[order.argsort()][torch.tensor([s.sample for s in seqs])]
+        seq_lens_list = seq_lens.tolist()
+        sizes = StepSizes(num_tokens, num_seqs, q_lens.count(1), logits_rows.numel(), len(writes[0]), width,
+                          max(q_lens), max(seq_lens_list))
+        sections = (input_ids, positions, slots, logits_rows, writes[0], cu, seq_lens, rows_s, writes[1])
+        return PackedStep(sizes, self._buffer(sizes, sections), q_s.tolist(), seq_lens_list)
+
+    def _buffer(self, sizes: StepSizes, sections) -> torch.Tensor:
+        """The packed buffer: the sections (in _Layout's order) at their offsets. Lists
+        only: one struct call writes them all; else each is copied in as a tensor."""
+        lay = _layout(sizes)
+        buf = torch.empty(lay.total, dtype=torch.int32, pin_memory=self.pin_memory)
+        if any(isinstance(data, torch.Tensor) for data in sections):
+            buf.zero_()  # the padding too: a step's buffer is a function of the step
+            for offset, data, dtype in zip(lay[:-1], sections, _DTYPES):
+                if len(data):
+                    _section(buf, offset, len(data), dtype).copy_(
+                        data if isinstance(data, torch.Tensor) else _tensor(data, dtype))
+            return buf
+        values, fmt, at = [], ["<"], 0
+        for offset, data, dtype in zip(lay[:-1], sections, _DTYPES):
+            if not len(data):
+                continue
+            if offset > at:
+                fmt.append(f"{4 * (offset - at)}x")  # zero padding up to the section
+            wide = dtype == torch.int64
+            fmt.append(f"{len(data)}{'q' if wide else 'i'}")
+            values += data
+            at = offset + (2 * len(data) if wide else len(data))
+        fmt.append(f"{4 * (lay.total - at)}x")
+        _struct("".join(fmt)).pack_into((ctypes.c_char * (4 * lay.total)).from_address(buf.data_ptr()), 0, *values)
+        return buf
+
+
+def unpack_step(packed: PackedStep, table: torch.Tensor, apply_writes: bool = True) -> StepInputs:
+    """A packed step as tensors on table's device: one copy of the buffer (non_blocking
+    from pinned memory on CUDA; on the CPU the buffer's own views), the block-table writes
+    applied to table ([rows, width] int32, this rank's persistent table; apply_writes False
+    where the packer wrote them already, the same tensor), the step's rows gathered."""
+    sz, host = packed.sizes, packed.buffer
+    device = table.device
+    buf = host if device.type == "cpu" else host.to(device, non_blocking=True)
+    lay = _layout(sz)
+    T, B, R, K = sz.num_tokens, sz.num_seqs, sz.num_logits_rows, sz.num_table_writes
+    if K and apply_writes:
+        table.view(-1).index_copy_(0, _section(buf, lay.write_index, K, torch.int64),
+                                   _section(buf, lay.write_values, K, torch.int32))
+    rows = _section(buf, lay.rows, B, torch.int32)
+    block_tables = torch.index_select(table[:, :sz.table_width], 0, rows)  # [B, W] int32
+    query_lens, seq_lens = packed.query_lens, packed.seq_lens
+    if query_lens is None:  # a receiving rank: the lengths from its host copy
+        qsl = _section(host, lay.query_start_loc, B + 1, torch.int32)
+        query_lens = (qsl[1:] - qsl[:-1]).tolist()
+        seq_lens = _section(host, lay.seq_lens, B, torch.int32).tolist()
+    meta = AttentionMetadata(
+        slot_mapping=_section(buf, lay.slot_mapping, T, torch.int64),
+        query_start_loc=_section(buf, lay.query_start_loc, B + 1, torch.int32),
+        seq_lens=_section(buf, lay.seq_lens, B, torch.int32),
+        block_tables=block_tables,
+        num_decodes=sz.num_decodes,
+        max_query_len=sz.max_query_len,
+        max_seq_len=sz.max_seq_len,
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+    )
+    logits_rows = _section(buf, lay.logits_rows, R, torch.int64) if R else None
+    return StepInputs(_section(buf, lay.input_ids, T, torch.int64), _section(buf, lay.positions, T, torch.int64),
+                      meta, logits_rows)
