@@ -3,6 +3,8 @@ rows (the LM head may share the embedding's)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,10 +54,11 @@ class LMHead(_Matmul):
             self.weight, _ = vocab_parallel_param(vocab_size, dim, tp)
 
     def prepare_cpu(self, choice):
+        """Packed in the LM head's own format (choice.lm_head: float32, bfloat16 or int8)."""
         if not self.tied:
-            return super().prepare_cpu(choice)
+            return super().prepare_cpu(dataclasses.replace(choice, weights=choice.lm_head))
         # the embedding still needs its rows: the packed panels are a second copy
-        self.packed = kernels.pack_weight(self.weight.data)
+        self.packed = kernels.pack_weight(self.weight.data, choice.lm_head)
         self.out_features = self.weight.shape[0]
         return self.forward_cpu
 

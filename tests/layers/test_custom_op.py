@@ -38,7 +38,7 @@ def test_building_a_config_compiles_nothing(model_dir, tmp_path):
         "from nanokv import kernels\n"
         "from nanokv.config import EngineArgs\n"
         f"config = EngineArgs(model={model_dir!r}).create_engine_config()\n"
-        "print(config.attention_backend, kernels.ffi.lib.cache_info().currsize)\n"
+        "print(config.attention_backend, kernels.ffi.load.cache_info().currsize)\n"
     )
     out = run_python(code, CC=str(cc), NANOKV_CACHE_DIR=str(cache))
     assert out.stdout.split() == ["cpu", "0"]
