@@ -85,7 +85,8 @@ def test_bfloat16_weights_of_a_bfloat16_checkpoint_equal_float32(checkpoint, sha
 class _Int8Hooks:
     """transformers' model running nanokv's int8 arithmetic in torch: every projection (and
     the LM head, when asked) on int8 weights with its per-output-channel scale, its input
-    quantized per 32 values (float64 sums: the kernels' float32 rounding differs slightly)."""
+    quantized per 32 values (float64 sums: the kernels' float32 rounding differs slightly).
+    A tied embedding then reads the head's int8 rows, as nanokv's does."""
 
     def __init__(self, model, with_head: bool):
         self.handles = []
@@ -95,6 +96,10 @@ class _Int8Hooks:
                 q, scale = kernels.quantize_int8(module.weight.data)
                 weight = (q.double() * scale.double()[:, None])
                 self.handles.append(module.register_forward_hook(self._make(weight)))
+                if module is head and model.config.tie_word_embeddings:
+                    rows = weight.float()
+                    self.handles.append(model.get_input_embeddings().register_forward_hook(
+                        lambda m, args, out, rows=rows: torch.nn.functional.embedding(args[0], rows)))
 
     @staticmethod
     def _make(weight):

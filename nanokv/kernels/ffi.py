@@ -60,6 +60,8 @@ def load(width: int | None = None, portable: bool = False):
     lib.nk_linear_silu_mul.restype = None
     lib.nk_panel_bytes.argtypes = [n, i]
     lib.nk_panel_bytes.restype = i
+    lib.nk_embed.argtypes = [p, i, p, n, i, p]
+    lib.nk_embed.restype = None
     lib.nk_width.argtypes = []
     lib.nk_width.restype = n
     lib.nk_int8_isa.argtypes = []

@@ -184,6 +184,15 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = No
     return out
 
 
+def embed(ids: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """Rows ids (int64 [T], each < packed.n) of the packed matrix, as the GEMM multiplies by
+    them -> [T, k] float32 (packed.unpack()[ids], without unpacking the rest)."""
+    ids = ids.contiguous()
+    out = torch.empty(ids.numel(), packed.k)
+    lib().nk_embed(ids.data_ptr(), ids.numel(), packed.data.data_ptr(), packed.code, packed.k, out.data_ptr())
+    return out
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     rows: torch.Tensor, ctx_lens: torch.Tensor, max_len: int, scale: float,
                     out: torch.Tensor) -> None:

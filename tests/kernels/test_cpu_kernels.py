@@ -105,6 +105,17 @@ def test_weight_formats_stay_close_to_float32(format):
 
 
 @pytest.mark.parametrize("format", FORMATS)
+def test_embedding_rows_from_the_packed_matrix(width, format):
+    """A tied embedding reads its rows from the LM head's panels: exactly the rows the GEMM
+    multiplies by (bfloat16-rounded, int8 dequantized), any id, odd widths."""
+    g = torch.Generator().manual_seed(9)
+    for n, k in ((1000, 64), (37, 40), (16, 200)):
+        packed = kernels.pack_weight(torch.randn(n, k, generator=g), format)
+        ids = torch.cat([torch.tensor([0, n - 1, 15, 16 % n]), torch.randint(0, n, (300,), generator=g)])
+        assert torch.equal(kernels.embed(ids, packed), packed.unpack()[ids])
+
+
+@pytest.mark.parametrize("format", FORMATS)
 def test_linear_rows_do_not_depend_on_the_batch(width, format):
     """A row's result is bit-identical alone or in any batch (fixed summation order)."""
     g = torch.Generator().manual_seed(0)
