@@ -40,6 +40,7 @@ class KernelChoice:
         for m in reversed(list(model.modules())):
             if isinstance(m, CustomOp):
                 m.use_cpu_kernels(self)
+        kernels.release_free_memory()  # the unpacked weights' pages
 
 
 def choose_kernels(dtype: torch.dtype, device: torch.device, attention_backend: str, hf_config,
