@@ -150,10 +150,13 @@ DEFINE_EXP(exp8, v8, v8i)
 /* ---- GEMM: out[M, N] = x[M, K] @ W^T (+ bias) -----------------------------------------
  * W is packed in panels of NR output columns (zero padded past N), one panel's K rows
  * contiguous: float32 wp[p][k][j] = W[p * NR + j][k], bfloat16 the same in 16-bit words
- * (columns in the order of load_bf16_row), int8 in blocks of 32 k (below). One panel stays in L1/L2 while every row block of x
- * streams past it; x itself stays in L2 for the small M this is used for. */
+ * (columns in the order of load_bf16_row), int8 in blocks of 32 k (below). One panel
+ * stays in L1/L2 while every row block of x streams past it; x itself stays in L2 for the
+ * small M this is used for. */
 
-#define MR (VW == 16 ? 8 : 6) /* rows per register tile (float32 / bfloat16 weights) */
+/* rows per register tile (float32 / bfloat16 weights): 6 x 2 accumulators of 16 ymm
+ * registers at width 8; 8 x 1 of 32 zmm at width 16 (not tuned on AVX-512 hardware) */
+#define MR (VW == 16 ? 8 : 6)
 #define MC 192                /* rows of x per pass over the weights: the block of x stays in L2 */
 
 /* One call: what every tile of it reads. */
