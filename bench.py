@@ -414,11 +414,41 @@ def llamacpp_binary(name: str) -> str | None:
     return shutil.which(name)
 
 
+def write_q8_0_gguf(src: str, dst: str) -> None:
+    """The GGUF file with every 2-D tensor requantized to q8_0 by the gguf package's
+    quantizer (1-D ones, the norms, stay float32) and its metadata copied: what
+    `llama-quantize --allow-requantize src dst Q8_0` writes, for when that tool is not built."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue  # the writer adds these itself
+        kind = field.types[0]
+        value = int(gguf.LlamaFileType.MOSTLY_Q8_0) if field.name == "general.file_type" else field.contents()
+        writer.add_key_value(field.name, value, kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        w = np.asarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if w.ndim == 2 and w.shape[-1] % 32 == 0:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(t.name, gguf.quants.quantize(w, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(t.name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def run_llamacpp(gguf_file: str, reqs: list[Request], scratch: str, parallel: int,
                  sampling: dict | None = None) -> Result:
     """llama.cpp's llama-server with `parallel` slots (continuous batching, as nanokv does) on
-    the model requantized to q8_0 by llama-quantize; every request posted at once (token
-    ids in, EOS ignored), timed from the first request to the last reply."""
+    the model requantized to q8_0 (llama-quantize when built, else write_q8_0_gguf); every
+    request posted at once (token ids in, EOS ignored), timed from the first request to the
+    last reply."""
     import concurrent.futures
     import socket
     import subprocess
@@ -427,8 +457,11 @@ def run_llamacpp(gguf_file: str, reqs: list[Request], scratch: str, parallel: in
     q8 = os.path.join(scratch, "model-q8_0.gguf")
     threads = str(torch.get_num_threads())
     if not os.path.isfile(q8):
-        subprocess.run([llamacpp_binary("llama-quantize"), "--allow-requantize", gguf_file, q8, "Q8_0", threads],
-                       check=True, capture_output=True)
+        if llamacpp_binary("llama-quantize") is not None:
+            subprocess.run([llamacpp_binary("llama-quantize"), "--allow-requantize", gguf_file, q8, "Q8_0", threads],
+                           check=True, capture_output=True)
+        else:
+            write_q8_0_gguf(gguf_file, q8)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -485,7 +518,7 @@ def run_cpu_peers(engines: set, model_dir: str, reqs: list[Request], args, sizes
         from nanokv.gguf import find_gguf, resolve_model as resolve_name
 
         gguf_file = find_gguf(resolve_name(args.model)) if args.model else None
-        missing = [b for b in ("llama-server", "llama-quantize") if llamacpp_binary(b) is None]
+        missing = [b for b in ("llama-server",) if llamacpp_binary(b) is None]
         if missing or gguf_file is None:
             why = (f"no {', '.join(missing)} (build llama.cpp; LLAMA_CPP_BIN names its bin directory)" if missing
                    else "needs a GGUF model (--model smollm2 or a .gguf file)")
