@@ -7,7 +7,8 @@ CPU, the way Triton caches its kernels.
 Variants (each built and cached on its own): the vector width, 16 floats where the compiler
 targets AVX-512 and 8 otherwise unless NANOKV_CPU_WIDTH (or `width`) forces 8 or 16, so
 that both widths build and are tested on any x86-64; and `portable`, which leaves out the
-int8 kernels' intrinsics (AVX2, VNNI) for their plain-C path (tests compare the two).
+int8 kernels' intrinsics (AVX2, VNNI) for their plain-C path, optionally with the VNNI
+paths' unsigned-offset arithmetic (tests compare them all).
 """
 
 from __future__ import annotations
@@ -41,12 +42,16 @@ def width() -> int | None:
     return int(value)
 
 
-def flags(width: int | None = None, portable: bool = False) -> list[str]:
-    """The compiler flags of one variant."""
+PORTABLE = {False: [], True: ["-DNK_PORTABLE"], "offset": ["-DNK_PORTABLE", "-DNK_INT8_OFFSET"]}
+
+
+def flags(width: int | None = None, portable: bool | str = False) -> list[str]:
+    """The compiler flags of one variant. portable=True: the int8 kernels' plain-C path;
+    "offset": the same with the VNNI paths' arithmetic (activations + 128, column sums off)."""
     if width is not None and width not in WIDTHS:
         raise ValueError(f"vector width {width}: use one of {WIDTHS}")
     extra = [f"-DNK_WIDTH={width}"] if width is not None else []
-    return FLAGS + extra + (["-DNK_PORTABLE"] if portable else []) + ["-Wno-psabi"]
+    return FLAGS + extra + PORTABLE[portable] + ["-Wno-psabi"]
 
 
 def switched_off() -> bool:
@@ -90,7 +95,7 @@ def _key(cc: str, flags: list[str]) -> str:
     return key.hexdigest()[:16]
 
 
-def build(width: int | None = None, portable: bool = False) -> Path:
+def build(width: int | None = None, portable: bool | str = False) -> Path:
     """The shared library's path (of one variant: see flags), compiled first unless the
     cache holds it."""
     cc = compiler()

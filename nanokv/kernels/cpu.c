@@ -308,8 +308,13 @@ static const tile_fn GEMM_BF16[MR + 1] = FLOAT_TILES(gemm_bf16), GLU_BF16[MR + 1
 #define MRQ 3 /* 4 rows spill (measured: 1.6x slower) */
 #else
 #define Q8_GENERIC
+#ifdef NK_INT8_OFFSET /* the VNNI paths' arithmetic in plain C (unsigned activations, column sums): tests */
+#define Q8_ISA "generic-offset"
+#define Q8_UNSIGNED 1
+#else
 #define Q8_ISA "generic"
 #define Q8_UNSIGNED 0
+#endif
 #define MRQ 4
 #endif
 
@@ -442,9 +447,14 @@ static inline __attribute__((always_inline)) void q8_tile(const struct gemm *g, 
             vq w = *(const vqu *)(wb + q * 64);
             for (int i = 0; i < 4; i++) {
                 vq wi = (w << (24 - 8 * i)) >> 24; /* byte i of each column, sign-extended */
-                for (int r = 0; r < ROWS; r++) a[r] += wi * (int32_t)qx[r * Kp + b * QB + q * 4 + i];
+                for (int r = 0; r < ROWS; r++) {
+                    int8_t xb = qx[r * Kp + b * QB + q * 4 + i];
+                    a[r] += wi * (Q8_UNSIGNED ? (int32_t)(uint8_t)xb : (int32_t)xb);
+                }
             }
         }
+        if (Q8_UNSIGNED)
+            for (int r = 0; r < ROWS; r++) a[r] -= *(const vqu *)(wb + QB * NR); /* 128 * column sums */
         for (int r = 0; r < ROWS; r++)
             for (int j = 0; j < NR; j++) f[r][j] = fmaf(sx[r * nb + b], (float)a[r][j], f[r][j]);
     }

@@ -43,7 +43,7 @@ def lib():
 
 
 @lru_cache(maxsize=None)
-def load(width: int | None = None, portable: bool = False):
+def load(width: int | None = None, portable: bool | str = False):
     """One variant of the library (build.flags), built and loaded once; None when it does
     not build or load (warned)."""
     try:

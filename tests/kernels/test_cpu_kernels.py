@@ -131,12 +131,16 @@ def test_linear_rows_do_not_depend_on_the_batch(width, format):
 def test_gemms_are_bit_identical_across_widths_and_instruction_sets(format, monkeypatch):
     """Output columns sit in vector lanes and K is summed in order, so the width changes no
     GEMM result; int8 block sums are exact integers, so its plain-C path (what a machine
-    without AVX2 or VNNI runs) gives the intrinsics' results bit for bit."""
+    without AVX2 or VNNI runs) gives the intrinsics' results bit for bit, and so does the
+    VNNI paths' arithmetic (activations stored + 128, the packed column sums taken off)."""
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(70, 136, generator=g), torch.randn(75, 136, generator=g)
     packed, gate_up = kernels.pack_weight(w, format), kernels.pack_gate_up(w[:40], w[35:], format)
     results = []
-    for lib in (kernels.ffi.load(8), kernels.ffi.load(16), kernels.ffi.load(None, portable=True)):
+    libs = [kernels.ffi.load(8), kernels.ffi.load(16), kernels.ffi.load(None, portable=True),
+            kernels.ffi.load(None, portable="offset")]
+    assert libs[3].nk_int8_isa() == b"generic-offset"
+    for lib in libs:
         monkeypatch.setattr(kernels.ops, "lib", lambda lib=lib: lib)
         results.append((kernels.linear(x, packed), kernels.linear_silu_mul(x, gate_up)))
     for plain, glu in results[1:]:
