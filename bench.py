@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import random
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -177,11 +178,13 @@ def sync(device: torch.device) -> None:
 
 # ---- engines ----------------------------------------------------------------------------
 
-def run_nanokv(model_dir: str, reqs: list[Request], device: torch.device, args, sampling: dict | None = None) -> Result:
+def run_nanokv(model_dir: str, reqs: list[Request], device: torch.device, args, sampling: dict | None = None,
+               engine_kwargs: dict | None = None) -> Result:
     from nanokv import LLM, SamplingParams
 
     reset_peak(device)
-    kwargs = dict(device=str(device), max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager)
+    kwargs = dict(device=str(device), max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+                  **(engine_kwargs or {}))
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     max_len = max(len(r.prompt) + r.max_tokens for r in reqs)
@@ -306,6 +309,303 @@ def run_vllm(model_dir: str, reqs: list[Request], device: torch.device) -> Resul
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     return Result("vLLM", sum(len(o.outputs[0].token_ids) for o in outs), seconds, peak_gib(device))
+
+
+# ---- nanokv's weight formats and vector widths, CPU peers --------------------------------
+
+@dataclass(frozen=True)
+class Variant:
+    """One nanokv configuration of a run: engine arguments and the vector width of its
+    kernels (None: the CPU's own; 8 or 16 forced through NANOKV_CPU_WIDTH)."""
+
+    label: str
+    engine_kwargs: tuple = ()  # (name, value) pairs
+    width: int | None = None
+
+
+QUANTIZATIONS = {"none": {}, "int8": dict(quantization="int8"),
+                 "int8+head": dict(quantization="int8", quantize_lm_head=True)}
+
+
+def nanokv_variants(args) -> list[Variant]:
+    """--dtype x --quantization x --cpu-width, in that order (the first one is the baseline
+    named "nanokv" when it is float32 at the native width); int8 keeps float32 activations, so
+    it pairs with float32 only."""
+    out = []
+    for dtype in args.dtype.split(","):
+        for quant in args.quantization.split(","):
+            if quant not in QUANTIZATIONS:
+                raise ValueError(f"--quantization takes {', '.join(QUANTIZATIONS)}; got {quant!r}")
+            if quant != "none" and dtype != "float32":
+                continue
+            for width in args.cpu_width.split(","):
+                if width not in ("native", "8", "16"):
+                    raise ValueError(f"--cpu-width takes native, 8 or 16; got {width!r}")
+                width = None if width == "native" else int(width)
+                name = quant if quant != "none" else {"float32": "", "bfloat16": "bf16"}.get(dtype, dtype)
+                label = " ".join(filter(None, ["nanokv", name, f"width {width}" if width else ""]))
+                kwargs = dict(QUANTIZATIONS[quant], **({} if dtype == "float32" else dict(dtype=dtype)))
+                out.append(Variant(label, tuple(kwargs.items()), width))
+    if not out:
+        raise ValueError("no nanokv variant: int8 quantization pairs with --dtype float32")
+    return out
+
+
+def run_variant(variant: Variant, model_dir: str, reqs: list[Request], device: torch.device, args,
+                sampling: dict | None = None) -> Result:
+    """run_nanokv for one variant: its engine arguments, its kernels' width."""
+    saved = os.environ.get("NANOKV_CPU_WIDTH")
+    if variant.width is not None:
+        os.environ["NANOKV_CPU_WIDTH"] = str(variant.width)
+    try:
+        res = run_nanokv(model_dir, reqs, device, args, sampling, dict(variant.engine_kwargs))
+    finally:
+        if saved is None:
+            os.environ.pop("NANOKV_CPU_WIDTH", None)
+        else:
+            os.environ["NANOKV_CPU_WIDTH"] = saved
+    res.engine = variant.label
+    return res
+
+
+def _batches(reqs: list[Request], bs: int) -> list[list[Request]]:
+    order = sorted(range(len(reqs)), key=lambda i: len(reqs[i].prompt))
+    return [[reqs[i] for i in order[b:b + bs]] for b in range(0, len(order), bs)]
+
+
+def run_ct2(model_dir: str, reqs: list[Request], scratch: str, batch_sizes: list[int],
+            sampling: dict | None = None) -> Result:
+    """CTranslate2 (pip install ctranslate2) on int8 weights converted from the float32 model
+    directory with its transformers converter. generate_batch has one length per batch:
+    like HF generate, static batches sorted by prompt length, each run to its longest
+    request (credited with the tokens asked for); the best batch size wins."""
+    import ctranslate2
+    from transformers import AutoTokenizer
+
+    out = os.path.join(scratch, "ct2-int8")
+    if not os.path.isdir(out):
+        ctranslate2.converters.TransformersConverter(model_dir).convert(out, quantization="int8")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    generator = ctranslate2.Generator(out, device="cpu", compute_type="int8", intra_threads=torch.get_num_threads())
+    opts = (dict(sampling_topk=0, sampling_temperature=sampling["temperature"], sampling_topp=sampling["top_p"])
+            if sampling else dict(sampling_topk=1))
+    best, tried = None, {}
+    for bs in batch_sizes:
+        reset_peak(torch.device("cpu"))
+        start = time.perf_counter()
+        for batch in _batches(reqs, bs):
+            longest = max(r.max_tokens for r in batch)
+            generator.generate_batch([tokenizer.convert_ids_to_tokens(r.prompt) for r in batch], max_length=longest,
+                                     min_length=longest, include_prompt_in_result=False, **opts)
+        res = Result("CTranslate2 int8", sum(r.max_tokens for r in reqs), time.perf_counter() - start,
+                     peak_gib(torch.device("cpu")), note=f"batch {bs} (best of {', '.join(map(str, batch_sizes))})")
+        tried[bs] = round(res.tok_per_s, 1)
+        if best is None or res.seconds < best.seconds:
+            best = res
+    best.extra["tried"] = tried
+    return best
+
+
+LLAMA_CPP_DIRS = ("/work/llamacpp/build/bin",)  # where a local llama.cpp build may have put its binaries
+
+
+def llamacpp_binary(name: str) -> str | None:
+    """A llama.cpp binary: $LLAMA_CPP_BIN/<name>, a local build's, or one on PATH."""
+    import shutil
+
+    for d in filter(None, [os.environ.get("LLAMA_CPP_BIN"), *LLAMA_CPP_DIRS]):
+        if os.access(os.path.join(d, name), os.X_OK):
+            return os.path.join(d, name)
+    return shutil.which(name)
+
+
+def write_q8_0_gguf(src: str, dst: str) -> None:
+    """The GGUF file with every 2-D tensor requantized to q8_0 by the gguf package's
+    quantizer (1-D ones, the norms, stay float32) and its metadata copied: what
+    `llama-quantize --allow-requantize src dst Q8_0` writes, for when that tool is not built."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue  # the writer adds these itself
+        kind = field.types[0]
+        value = int(gguf.LlamaFileType.MOSTLY_Q8_0) if field.name == "general.file_type" else field.contents()
+        writer.add_key_value(field.name, value, kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        w = np.asarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if w.ndim == 2 and w.shape[-1] % 32 == 0:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(t.name, gguf.quants.quantize(w, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(t.name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def run_llamacpp(gguf_file: str, reqs: list[Request], scratch: str, parallel: int,
+                 sampling: dict | None = None) -> Result:
+    """llama.cpp's llama-server with `parallel` slots (continuous batching, as nanokv does) on
+    the model requantized to q8_0 (llama-quantize when built, else write_q8_0_gguf); every
+    request posted at once (token ids in, EOS ignored), timed from the first request to the
+    last reply."""
+    import concurrent.futures
+    import socket
+    import subprocess
+    import urllib.request
+
+    q8 = os.path.join(scratch, "model-q8_0.gguf")
+    threads = str(torch.get_num_threads())
+    if not os.path.isfile(q8):
+        if llamacpp_binary("llama-quantize") is not None:
+            subprocess.run([llamacpp_binary("llama-quantize"), "--allow-requantize", gguf_file, q8, "Q8_0", threads],
+                           check=True, capture_output=True)
+        else:
+            write_q8_0_gguf(gguf_file, q8)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = parallel * max(len(r.prompt) + r.max_tokens for r in reqs)
+    server = subprocess.Popen([llamacpp_binary("llama-server"), "-m", q8, "-t", threads, "-c", str(ctx),
+                               "-np", str(parallel), "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if server.poll() is not None or time.time() > deadline:
+                    raise RuntimeError("llama-server did not start") from None
+                time.sleep(0.5)
+
+        def post(r: Request) -> int:
+            body = dict(prompt=r.prompt, n_predict=r.max_tokens, ignore_eos=True, cache_prompt=False,
+                        **(dict(temperature=sampling["temperature"], top_p=sampling["top_p"], seed=r.seed)
+                           if sampling else dict(temperature=0, top_k=1)))
+            req = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=3600) as resp:
+                return int(json.load(resp)["tokens_predicted"])
+
+        post(Request(reqs[0].prompt[:4], 2))  # warm-up
+        reset_peak(torch.device("cpu"))
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+            tokens = sum(pool.map(post, reqs))
+        seconds = time.perf_counter() - start
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return Result("llama.cpp q8_0", min(tokens, sum(r.max_tokens for r in reqs)), seconds, float("nan"),
+                  note=f"llama-server, {parallel} slots (peak memory: its own process)")
+
+
+def run_cpu_peers(engines: set, model_dir: str, reqs: list[Request], args, sizes: list[int],
+                  sampling: dict | None) -> list[Result]:
+    """The CPU peers asked for that are installed; a row saying why for those that are not."""
+    results = []
+    if "ct2" in engines:
+        if importlib.util.find_spec("ctranslate2") is None:
+            results.append(Result("CTranslate2 int8", 0, float("nan"), float("nan"),
+                                  note="not installed: pip install ctranslate2"))
+        else:
+            results.append(run_ct2(model_dir, reqs, args.scratch, sizes, sampling))
+    if "llama.cpp" in engines:
+        from nanokv.gguf import find_gguf, resolve_model as resolve_name
+
+        gguf_file = find_gguf(resolve_name(args.model)) if args.model else None
+        missing = [b for b in ("llama-server",) if llamacpp_binary(b) is None]
+        if missing or gguf_file is None:
+            why = (f"no {', '.join(missing)} (build llama.cpp; LLAMA_CPP_BIN names its bin directory)" if missing
+                   else "needs a GGUF model (--model smollm2 or a .gguf file)")
+            results.append(Result("llama.cpp q8_0", 0, float("nan"), float("nan"), note=why))
+        else:
+            results.append(run_llamacpp(gguf_file, reqs, args.scratch, min(args.max_num_seqs, len(reqs)), sampling))
+    return results
+
+
+def run_accuracy(model_dir: str, variants: list[Variant], args) -> dict:
+    """--accuracy: every variant against float32 weights (nanokv/testing/accuracy.py):
+    perplexity, mean KL and top-1 agreement on the license texts, greedy agreement on 32
+    chat prompts; and each variant's load time and memory, in a fresh process each."""
+    from nanokv.testing import accuracy
+
+    reference = accuracy.scoring_engine(model_dir)
+    windows = accuracy.corpus_windows(reference.get_tokenizer(), max_tokens=args.accuracy_tokens)
+    rows = []
+    for v in variants:
+        if v.width is not None:
+            continue  # widths change no weight: the float32 GEMMs are bit-identical (tests)
+        row = dict(variant=v.label, engine_kwargs=dict(v.engine_kwargs), load=measure_load(model_dir, v))
+        if v.engine_kwargs:
+            candidate = accuracy.scoring_engine(model_dir, **dict(v.engine_kwargs))
+            row["perplexity"] = asdict(accuracy.compare_perplexity(reference, candidate, windows))
+            row["greedy"] = asdict(accuracy.compare_greedy(reference, candidate))
+            del candidate
+        rows.append(row)
+    return dict(model=args.label, corpus=f"{accuracy.CORPUS_DIR}: {', '.join(accuracy.CORPUS_FILES)}",
+                window=accuracy.WINDOW, threads=torch.get_num_threads(), variants=rows)
+
+
+_LOAD_PROBE = """
+import json, sys, time, torch
+torch.set_num_threads(int(sys.argv[3]))
+from nanokv import LLM
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key))
+start = time.perf_counter()
+llm = LLM(sys.argv[1], num_kvcache_blocks=16, max_model_len=256, **json.loads(sys.argv[2]))
+seconds = time.perf_counter() - start
+model = llm.llm_engine.runner.model
+packed = {id(m.packed): m.packed.nbytes for m in model.modules() if getattr(m, "packed", None) is not None}
+params = sum(p.numel() * p.element_size() for p in model.parameters())
+print(json.dumps(dict(load_seconds=seconds, rss_gib=status("VmRSS:") / 2**30, peak_rss_gib=status("VmHWM:") / 2**30,
+                      weights_gib=(sum(packed.values()) + params) / 2**30)))
+"""
+
+
+def measure_load(model_dir: str, variant: Variant) -> dict:
+    """Load time, RSS after load, peak RSS while loading and the bytes of the weights as
+    stored (packed copies once, other parameters), of one variant in a fresh process (a
+    16-block KV pool)."""
+    import subprocess
+
+    env = dict(os.environ, **({"NANOKV_CPU_WIDTH": str(variant.width)} if variant.width else {}))
+    out = subprocess.run([sys.executable, "-c", _LOAD_PROBE, model_dir, json.dumps(dict(variant.engine_kwargs)),
+                          str(torch.get_num_threads())], capture_output=True, text=True, env=env, timeout=1800)
+    if out.returncode != 0:
+        return dict(error=out.stderr.strip().splitlines()[-1][:200] if out.stderr.strip() else "failed")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def print_accuracy(report: dict) -> None:
+    print(f"accuracy against float32 weights: {report['model']}, {report['threads']} threads; text: "
+          f"{report['corpus']} (windows of {report['window']} tokens)\n")
+    print("| variant | tokens | PPL | dPPL | mean KL | top-1 agree | greedy identical | greedy prefix | "
+          "load s | RSS GiB | peak RSS GiB | weights GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in report["variants"]:
+        ppl, greedy, load = row.get("perplexity"), row.get("greedy"), row["load"]
+        cells = [row["variant"]]
+        if ppl:
+            cells += [f"{ppl['tokens']:,}", f"{ppl['ppl']:.3f} (ref {ppl['ppl_reference']:.3f})",
+                      f"{ppl['dppl_percent']:+.3f}%", f"{ppl['mean_kl']:.5f}", f"{100 * ppl['top1_agreement']:.1f}%",
+                      f"{greedy['identical']}/{greedy['prompts']}", f"{100 * greedy['prefix_fraction']:.1f}%"]
+        else:
+            cells += ["-", "reference", "-", "-", "-", "-", "-"]
+        cells += ([f"{load['load_seconds']:.1f}", f"{load['rss_gib']:.2f}", f"{load['peak_rss_gib']:.2f}",
+                   f"{load['weights_gib']:.3f}"] if "error" not in load else [load["error"], "-", "-", "-"])
+        print("| " + " | ".join(cells) + " |")
 
 
 # ---- roofline ---------------------------------------------------------------------------
@@ -524,13 +824,18 @@ def run_workload(name: str, spec: dict, model_dir: str, hf_model, tokenizer, dim
     reqs = make_workload(spec, min(dims["vocab"], 32000), args.seed, tokenizer)
     results: list[Result] = []
     nano = hf = None
-    if "nanokv" in engines:
-        nano = run_nanokv(model_dir, reqs, device, args, sampling)
+    variants = nanokv_variants(args) if "nanokv" in engines else []
+    others: dict[Variant, Result] = {}  # the variants after the first
+    if variants:
+        nano = run_variant(variants[0], model_dir, reqs, device, args, sampling)
         results.append(nano)
         if not rate:
             # the machine's rate is measured now, before the other engines: transformers'
             # continuous batching leaves memory and threads behind that would skew it
             rate.append(machine_rate(dims, dtype, device))
+        for v in variants[1:]:
+            others[v] = run_variant(v, model_dir, reqs, device, args, sampling)
+            results.append(others[v])
     if "hf" in engines:
         hf = run_hf_generate(hf_model(), reqs, device, sizes, sampling)
         results.append(hf)
@@ -538,10 +843,12 @@ def run_workload(name: str, spec: dict, model_dir: str, hf_model, tokenizer, dim
     # best batch size, and each keeps its fastest run.
     for _ in range(args.repeats - 1):
         if nano is not None:
-            keep_faster(nano, run_nanokv(model_dir, reqs, device, args, sampling))
+            keep_faster(nano, run_variant(variants[0], model_dir, reqs, device, args, sampling))
+            for v, r in others.items():
+                keep_faster(r, run_variant(v, model_dir, reqs, device, args, sampling))
         if hf is not None:
             keep_faster(hf, run_hf_generate(hf_model(), reqs, device, [hf.extra["batch_size"]], sampling))
-    for r in (nano, hf):
+    for r in (nano, hf, *others.values()):
         if r is not None and args.repeats > 1:
             r.note = "; ".join(filter(None, [r.note, f"fastest of {args.repeats} runs"]))
     if "hf-cb" in engines:
@@ -552,6 +859,8 @@ def run_workload(name: str, spec: dict, model_dir: str, hf_model, tokenizer, dim
                                   note=f"failed: {type(e).__name__}: {e}"[:120]))
     if "vllm" in engines and importlib.util.find_spec("vllm") is not None:
         results.append(run_vllm(model_dir, reqs, device))
+    if device.type == "cpu":
+        results += run_cpu_peers(engines, model_dir, reqs, args, sizes, sampling)
 
     base = next((r for r in results if r.engine == "HF generate"), None)
     prompt_lens = list(spec["prompt"]) if "prompt" in spec else [min(len(r.prompt) for r in reqs),
@@ -632,7 +941,20 @@ def main() -> None:
     p.add_argument("--shape", help="random weights of a known shape instead of a model: qwen3-0.6b (the "
                                    "default on a GPU), llama-3.2-1b, cpu-small")
     p.add_argument("--engines", default="nanokv,hf,hf-cb,vllm",
-                   help="comma-separated subset of nanokv, hf, hf-cb, vllm")
+                   help="comma-separated subset of nanokv, hf, hf-cb, vllm, and the CPU peers ct2 (CTranslate2 "
+                        "int8, when installed) and llama.cpp (q8_0 through llama-server, when built)")
+    p.add_argument("--dtype", default="float32",
+                   help="nanokv's weights, comma-separated for several rows: float32, bfloat16 (the CPU kernels: "
+                        "bfloat16 weights, float32 activations)")
+    p.add_argument("--quantization", default="none",
+                   help="comma-separated: none, int8 (quantization='int8'), int8+head (the LM head too)")
+    p.add_argument("--cpu-width", default="native",
+                   help="comma-separated vector widths of nanokv's CPU kernels: native, 8, 16 (NANOKV_CPU_WIDTH)")
+    p.add_argument("--accuracy", action="store_true",
+                   help="instead of throughput: perplexity, KL and greedy agreement of every --dtype / "
+                        "--quantization variant against float32 weights, with load time and memory")
+    p.add_argument("--accuracy-tokens", type=int, default=None,
+                   help="score only the first windows of the text holding this many tokens (default: all)")
     p.add_argument("--hf-batch-sizes", default="",
                    help="batch sizes to try for HF generate (default: 8,16,32,64 on CPU; 32,64,128 on GPU)")
     p.add_argument("--hf-cb-memory", type=float, default=None,
@@ -664,6 +986,7 @@ def main() -> None:
         args.model, args.shape = (None, "qwen3-0.6b") if cuda else ("smollm2", None)
     try:
         specs = [workload_spec(w, args.num_requests, args.prompt_lens, args.output_lens) for w in names]
+        nanokv_variants(args)
     except ValueError as e:
         p.error(str(e))
 
@@ -689,6 +1012,14 @@ def main() -> None:
                 loaded.append(load_hf(model_dir, device, torch.float32 if device.type == "cpu" else torch.bfloat16))
             return loaded[0]
 
+        args.scratch = scratch  # the CPU peers' converted models
+        if args.accuracy:
+            report = run_accuracy(model_dir, nanokv_variants(args), args)
+            if args.json:
+                print(json.dumps(report, indent=2))
+            else:
+                print_accuracy(report)
+            return
         rate: list[float] = []
         reports = []
         for w, spec in zip(names, specs):

@@ -42,7 +42,8 @@ class EngineArgs:
     model: str = _arg(DEFAULT_MODEL, "a Hugging Face model directory (config.json, *.safetensors, tokenizer "
                       "files), a .gguf file or a directory holding one, or the built-in name 'smollm2'")
     dtype: str | torch.dtype = _arg("auto", "'auto' (float32 on the CPU; on CUDA the checkpoint's half "
-                                    "precision, bfloat16 for float32 checkpoints), float32, float16 or bfloat16")
+                                    "precision, bfloat16 for float32 checkpoints), float32, float16 or bfloat16 "
+                                    "(on the CPU kernels: bfloat16 weights, float32 activations)")
     device: str | torch.device = _arg("auto", "'auto' (CUDA when available, else the CPU), 'cpu' or 'cuda'")
     max_model_len: int | None = _arg(None, "prompt + output limit in tokens; None: the model's "
                                      "max_position_embeddings")
@@ -64,6 +65,11 @@ class EngineArgs:
     attention_backend: str = _arg("auto", "'auto', 'cpu' (the C kernels), 'torch', 'triton' or 'flash_attn'")
     tensor_parallel_size: int = _arg(1, "shard the model over N ranks (GPUs, or CPU processes with gloo)")
     max_logprobs: int = _arg(20, "the most logprobs a request may ask for")
+    quantization: str | None = _arg(None, "'int8': int8 weights with per-output-channel scales computed at load "
+                                    "from any checkpoint, activations quantized per 32 values in each GEMM (the "
+                                    "CPU kernels); None: the weights in dtype")
+    quantize_lm_head: bool = _arg(False, "with quantization='int8', the LM head in int8 too (a tied embedding "
+                                  "keeps its float32 rows for the lookup; the head's int8 copy is extra)")
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -129,6 +135,8 @@ class EngineArgs:
         check_activation(hf_config)
         dev = _resolve_device(self.device)
         torch_dtype = _resolve_dtype(self.dtype, hf_config, dev)
+        torch_dtype, weight_format, lm_head_format = _resolve_weights(torch_dtype, dev, self.quantization,
+                                                                      self.quantize_lm_head)
 
         derived_max_len = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 2048
         max_model_len = derived_max_len if self.max_model_len is None else self.max_model_len
@@ -174,7 +182,8 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching, enforce_eager=self.enforce_eager,
             seed=int(seed), eos_token_ids=tuple(_eos_token_ids(model, hf_config)),
             attention_backend=backend, tensor_parallel_size=self.tensor_parallel_size,
-            max_logprobs=self.max_logprobs, head_dim=head_dim,
+            max_logprobs=self.max_logprobs, head_dim=head_dim, weight_format=weight_format,
+            lm_head_format=lm_head_format,
         )
 
 
@@ -217,6 +226,11 @@ class EngineConfig:
     tensor_parallel_size: int
     max_logprobs: int
     head_dim: int  # per attention head, from the model config (model_head_dim)
+    # how the CPU kernels pack the projection / LM head weights: None (the weights in dtype),
+    # "bfloat16" (dtype bfloat16 on the CPU kernels; dtype is then float32, the activations')
+    # or "int8" (quantization); see _resolve_weights
+    weight_format: str | None = None
+    lm_head_format: str | None = None
 
 
 def model_head_dim(hf_config) -> int:
@@ -304,6 +318,40 @@ def _resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device) ->
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use 'auto', 'float32', 'float16' or 'bfloat16'")
     return _DTYPES[dtype]
+
+
+QUANTIZATIONS = ("int8",)
+
+
+def _resolve_weights(dtype: torch.dtype, device: torch.device, quantization, quantize_lm_head
+                     ) -> tuple[torch.dtype, str | None, str | None]:
+    """(activation dtype, weight_format, lm_head_format). On the CPU with the C kernels at
+    hand (a compiler; nothing is compiled here), bfloat16 means bfloat16 weights under float32
+    activations, accumulation and KV cache; int8 (quantization) means int8 projection weights
+    (and LM head, with quantize_lm_head) under float32 activations. Without the kernels
+    bfloat16 runs the torch path in bfloat16, and int8 is refused."""
+    from nanokv import kernels
+
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; nanokv supports quantization='int8' (CPU) "
+                         "or None")
+    _check_bool("quantize_lm_head", quantize_lm_head)
+    if quantize_lm_head and quantization is None:
+        raise ValueError("quantize_lm_head=True applies with quantization='int8'; set both")
+    on_kernels = device.type == "cpu" and kernels.can_build()
+    if quantization == "int8":
+        if device.type != "cpu":
+            raise ValueError("quantization='int8' runs on the CPU kernels; use device='cpu', or no quantization")
+        if dtype != torch.float32:
+            raise ValueError(f"quantization='int8' keeps float32 activations; use dtype='auto' or 'float32' "
+                             f"(got {dtype})")
+        if not on_kernels:
+            raise ValueError("quantization='int8' needs the CPU kernels: a C compiler (cc/gcc on PATH) and "
+                             "NANOKV_CPU_KERNELS unset")
+        return torch.float32, "int8", "int8" if quantize_lm_head else None
+    if dtype == torch.bfloat16 and on_kernels:
+        return torch.float32, "bfloat16", "bfloat16"
+    return dtype, None, None
 
 
 def _eos_token_ids(model: str, hf_config) -> list[int]:

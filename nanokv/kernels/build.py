@@ -3,6 +3,12 @@
 The shared library is built with the machine's C compiler (`cc -O3 -march=native
 -fopenmp`) into a cache directory keyed by the source, the flags, the compiler and the
 CPU, the way Triton caches its kernels.
+
+Variants (each built and cached on its own): the vector width, 16 floats where the compiler
+targets AVX-512 and 8 otherwise unless NANOKV_CPU_WIDTH (or `width`) forces 8 or 16, so
+that both widths build and are tested on any x86-64; and `portable`, which leaves out the
+int8 kernels' intrinsics (AVX2, VNNI) for their plain-C path, optionally with the VNNI
+paths' unsigned-offset arithmetic (tests compare them all).
 """
 
 from __future__ import annotations
@@ -20,6 +26,32 @@ logger = logging.getLogger("nanokv")
 
 SOURCE = Path(__file__).with_name("cpu.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+
+
+WIDTHS = (8, 16)
+
+
+def width() -> int | None:
+    """NANOKV_CPU_WIDTH: 8 or 16 forces the vector width (floats); unset, empty or 'native':
+    the compiler's choice for this CPU. Read on every call."""
+    value = os.environ.get("NANOKV_CPU_WIDTH", "").strip()
+    if value in ("", "native"):
+        return None
+    if value not in {str(w) for w in WIDTHS}:
+        raise ValueError(f"NANOKV_CPU_WIDTH={value!r}: use 8, 16 or native")
+    return int(value)
+
+
+PORTABLE = {False: [], True: ["-DNK_PORTABLE"], "offset": ["-DNK_PORTABLE", "-DNK_INT8_OFFSET"]}
+
+
+def flags(width: int | None = None, portable: bool | str = False) -> list[str]:
+    """The compiler flags of one variant. portable=True: the int8 kernels' plain-C path;
+    "offset": the same with the VNNI paths' arithmetic (activations + 128, column sums off)."""
+    if width is not None and width not in WIDTHS:
+        raise ValueError(f"vector width {width}: use one of {WIDTHS}")
+    extra = [f"-DNK_WIDTH={width}"] if width is not None else []
+    return FLAGS + extra + PORTABLE[portable] + ["-Wno-psabi"]
 
 
 def switched_off() -> bool:
@@ -56,25 +88,27 @@ def _cpu_signature() -> str:
     return platform.processor()
 
 
-def _key(cc: str) -> str:
+def _key(cc: str, flags: list[str]) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(),
                                      _cpu_signature().encode(), platform.machine().encode()]))
     return key.hexdigest()[:16]
 
 
-def build() -> Path:
-    """The shared library's path, compiled first unless the cache holds it."""
+def build(width: int | None = None, portable: bool | str = False) -> Path:
+    """The shared library's path (of one variant: see flags), compiled first unless the
+    cache holds it."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    target = cache_dir() / f"nanokv_cpu_{_key(cc)}.so"
+    variant = flags(width, portable)
+    target = cache_dir() / f"nanokv_cpu_{_key(cc, variant)}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *variant, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed to build {SOURCE.name}:\n{proc.stderr[-2000:]}")
         os.replace(out, target)  # atomic: concurrent builders (torchrun ranks) agree

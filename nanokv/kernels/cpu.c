@@ -1,14 +1,33 @@
-/* nanokv CPU kernels (float32): GEMMs on weights packed once at load time (the gate/up
- * one with SiLU * up in its epilogue), paged attention that reads the KV pages in place
- * through the block tables, RMSNorm with the residual add, q/k norm with rotary, and a
- * whole decoder layer chaining them in one call.
+/* nanokv CPU kernels: GEMMs on weights packed once at load time (float32, bfloat16 or int8;
+ * the gate/up one with SiLU * up in its epilogue), paged attention that reads the KV pages in
+ * place through the block tables, RMSNorm with the residual add, q/k norm with rotary, and a
+ * whole decoder layer chaining them in one call. Activations, the KV cache and every
+ * accumulation are float32.
  *
- * Built at first use by nanokv/kernels/__init__.py with the machine's C compiler
+ * Built at first use by nanokv/kernels/build.py with the machine's C compiler
  * (-O3 -march=native -fopenmp) and called through ctypes on tensors' data pointers.
  * OpenMP resolves to the libgomp torch already loaded, so both share one thread pool.
  *
+ * Vector width: NK_WIDTH floats, 16 where the compiler targets AVX-512, else 8, chosen when
+ * the library is compiled (-DNK_WIDTH=8 or 16 forces it: build.py's NANOKV_CPU_WIDTH). The
+ * code is written once on GCC vector extensions; on a machine without AVX-512 a 16-wide
+ * build runs as pairs of 8-wide instructions, which is how both widths are tested anywhere.
+ *
  * A GEMM output element is summed in a fixed order (sequential over K), whatever the
- * batch size, the row's position in the batch or the thread count.
+ * batch size, the row's position in the batch, the thread count or the vector width (its
+ * lanes are output columns). Reductions across lanes (attention dot products, RMSNorm's sum
+ * of squares) keep a fixed order for a given width, but a 16-wide build adds 16 partial
+ * sums where an 8-wide one adds 8.
+ *
+ * Weight formats (the panels of pack_weight in ops.py; 16 output columns per panel):
+ *   NK_F32   float32 [K][16]
+ *   NK_BF16  bfloat16 [K][16]: widened to float32 by a 16-bit shift (exact), then the
+ *            float32 FMAs; the sums are those of the float32 kernel on the rounded weights.
+ *   NK_INT8  int8, symmetric, one scale per output column; the activations are quantized to
+ *            int8 per row in blocks of 32 (scale = max |x| / 127) inside the call. Each block
+ *            is an exact int32 dot product (AVX512-VNNI or AVX-VNNI where compiled for,
+ *            AVX2's maddubs otherwise, plain C elsewhere: all give the same integers), then
+ *            out += block scale * sum in float32, blocks in order, times the column scale.
  */
 #include <math.h>
 #include <stdint.h>
@@ -17,174 +36,557 @@
 
 #include <omp.h>
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));  /* unaligned access */
+#if !defined(NK_PORTABLE) && (defined(__AVX2__) || defined(__AVX512VNNI__) || defined(__AVXVNNI__))
+#include <immintrin.h>
+#endif
+
+#ifndef NK_WIDTH
+#ifdef __AVX512F__
+#define NK_WIDTH 16
+#else
+#define NK_WIDTH 8
+#endif
+#endif
+#if NK_WIDTH != 8 && NK_WIDTH != 16
+#error "NK_WIDTH must be 8 or 16"
+#endif
+#define VW NK_WIDTH
+
+typedef float vf __attribute__((vector_size(4 * VW)));
+typedef float vfu __attribute__((vector_size(4 * VW), aligned(4))); /* unaligned access */
+typedef int32_t vi __attribute__((vector_size(4 * VW)));
+typedef uint16_t vbf __attribute__((vector_size(2 * VW), aligned(2))); /* VW bfloat16 bit patterns */
+typedef float v8 __attribute__((vector_size(32)));                    /* half a 16-wide vector */
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
-#define NR 16 /* output columns per packed weight panel */
+#define NR 16          /* output columns per packed weight panel, at either width */
+#define NV (NR / VW)   /* vectors per panel row */
 
+enum { NK_F32 = 0, NK_BF16 = 1, NK_INT8 = 2 };
+
+static inline vf loadv(const float *p) { return *(const vfu *)p; }
+static inline void storev(float *p, vf v) { *(vfu *)p = v; }
+static inline vf splat(float x) { return x - (vf){}; } /* x - 0 is x, for -0 too: no add emitted */
+static inline vf selectv(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); } /* m ? a : b */
 static inline v8 load8(const float *p) { return *(const v8u *)p; }
 static inline void store8(float *p, v8 v) { *(v8u *)p = v; }
-static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
-static inline v8 select8(v8i m, v8 a, v8 b) { return (v8)(((v8i)a & m) | ((v8i)b & ~m)); } /* m ? a : b */
 
-/* exp for any x (clamped to [-87, 88]): 2^n * p(f), n = round(x / ln2) */
-static inline v8 exp_any(v8 x) {
-    const v8 lo = splat(-87.0f), hi = splat(88.0f);
-    v8i below = x < lo, above = x > hi;
-    x = (v8)(((v8i)x & ~below) | ((v8i)lo & below));
-    x = (v8)(((v8i)x & ~above) | ((v8i)hi & above));
-    v8 t = x * splat(1.44269504088896341f);
-    v8i neg = t < splat(0.0f);
-    v8 half = (v8)(((v8i)splat(0.5f) & ~neg) | ((v8i)splat(-0.5f) & neg));
-    v8i n = __builtin_convertvector(t + half, v8i); /* round half away from zero */
-    v8 nf = __builtin_convertvector(n, v8);
-    v8 f = x - nf * splat(0.693145751953125f) - nf * splat(1.428606765330187045e-06f);
-    v8 p = splat(1.0f / 5040);
-    p = p * f + splat(1.0f / 720);
-    p = p * f + splat(1.0f / 120);
-    p = p * f + splat(1.0f / 24);
-    p = p * f + splat(1.0f / 6);
-    p = p * f + splat(0.5f);
-    p = p * f + splat(1.0f);
-    p = p * f + splat(1.0f);
-    v8i e = n + 127; /* n in [-126, 127] after the clamp */
-    v8i bits = e << 23;
-    v8 scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+/* The first n floats at p (n >= 8, a multiple of 8), zero past them: the tail of a row
+ * whose length is a multiple of 8 but not of VW. */
+static inline vf loadv_part(const float *p, long n) {
+#if VW == 8
+    (void)n;
+    return loadv(p);
+#else
+    if (n >= VW) return loadv(p);
+    vf v = {};
+    memcpy(&v, p, 32);
+    return v;
+#endif
 }
 
-/* ---- GEMM: out[M, N] = x[M, K] @ W^T (+ bias) -----------------------------------------
- * wp is W packed in panels of NR output columns: wp[p][k][j] = W[p * NR + j][k] (zero
- * padded past N). One panel (K * 64 bytes) stays in L1/L2 while every row block of x
- * streams past it; x itself stays in L2 for the small M this is used for. */
+static inline void storev_part(float *p, vf v, long n) {
+#if VW == 8
+    (void)n;
+    storev(p, v);
+#else
+    if (n >= VW) {
+        storev(p, v);
+        return;
+    }
+    memcpy(p, &v, 32);
+#endif
+}
 
-/* a0[r], a1[r] = x[r] . (the panel's columns 0-7, 8-15), r < MR, summed over k in order;
- * pf: the next panel, prefetched a line per k (NULL: nothing to prefetch). Two copies of
- * the k loop, so that the hot one carries no prefetch test (measured: 25-30% faster). */
-#define ACCUMULATE_K(MR)                                                                    \
+static inline float hsum8(v8 v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+static inline float hsum(vf v) {
+#if VW == 8
+    return hsum8(v);
+#else
+    return hsum8(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+#endif
+}
+
+/* exp for any x (clamped to [-87, 88]): 2^n * p(f), n = round(x / ln2); for vectors of
+ * floats VT with lanes ITYPE (VW wide, and 8 wide for the gate/up epilogue) */
+#define DEFINE_EXP(NAME, VT, IT)                                                            \
+    static inline VT NAME(VT x) {                                                           \
+        const VT lo = (VT){} - 87.0f, hi = (VT){} + 88.0f;                                  \
+        IT below = x < lo, above = x > hi;                                                  \
+        x = (VT)(((IT)x & ~below) | ((IT)lo & below));                                      \
+        x = (VT)(((IT)x & ~above) | ((IT)hi & above));                                      \
+        VT t = x * 1.44269504088896341f;                                                    \
+        IT neg = t < (VT){};                                                                \
+        VT half = (VT)((((IT)((VT){} + 0.5f)) & ~neg) | ((IT)((VT){} - 0.5f) & neg));       \
+        IT n = __builtin_convertvector(t + half, IT); /* round half away from zero */       \
+        VT nf = __builtin_convertvector(n, VT);                                             \
+        VT f = x - nf * 0.693145751953125f - nf * 1.428606765330187045e-06f;                \
+        VT p = (VT){} + 1.0f / 5040;                                                        \
+        p = p * f + 1.0f / 720;                                                             \
+        p = p * f + 1.0f / 120;                                                             \
+        p = p * f + 1.0f / 24;                                                              \
+        p = p * f + 1.0f / 6;                                                               \
+        p = p * f + 0.5f;                                                                   \
+        p = p * f + 1.0f;                                                                   \
+        p = p * f + 1.0f;                                                                   \
+        IT e = n + 127; /* n in [-126, 127] after the clamp */                              \
+        IT bits = e << 23;                                                                  \
+        VT scale;                                                                           \
+        memcpy(&scale, &bits, sizeof scale);                                                \
+        return p * scale;                                                                   \
+    }
+DEFINE_EXP(exp_any, vf, vi)
+#if VW == 8
+#define exp8 exp_any
+#else
+DEFINE_EXP(exp8, v8, v8i)
+#endif
+
+/* ---- GEMM: out[M, N] = x[M, K] @ W^T (+ bias) -----------------------------------------
+ * W is packed in panels of NR output columns (zero padded past N), one panel's K rows
+ * contiguous: float32 wp[p][k][j] = W[p * NR + j][k], bfloat16 the same in 16-bit words
+ * (columns in the order of load_bf16_row), int8 in blocks of 32 k (below). One panel
+ * stays in L1/L2 while every row block of x streams past it; x itself stays in L2 for the
+ * small M this is used for. */
+
+/* rows per register tile (float32 / bfloat16 weights): 6 x 2 accumulators of 16 ymm
+ * registers at width 8; 8 x 1 of 32 zmm at width 16 (not tuned on AVX-512 hardware) */
+#define MR (VW == 16 ? 8 : 6)
+#define MC 192                /* rows of x per pass over the weights: the block of x stays in L2 */
+
+/* One call: what every tile of it reads. */
+struct gemm {
+    const float *x;                    /* float32 activations [M, K] */
+    const int8_t *qx; const float *sx; /* int8 weights: x quantized, [M, Kp] and [M, Kp / QB] */
+    long M, K, Kp, n, cols;            /* n outputs per row, cols of them per panel (16, gate/up 8) */
+    const char *w; long panel_bytes;
+    const float *bias;
+    float *out;                        /* [M, n] */
+};
+
+/* a tile: rows [m, m + ROWS) against one panel (w), into out (row m, the panel's first
+ * column; row stride g->n), ncols of its columns; pf: the next panel, to prefetch, or NULL */
+typedef void (*tile_fn)(const struct gemm *g, long m, const char *w, const char *pf, float *out, int ncols,
+                        const float *bias);
+
+/* epilogues, one row of a tile: a = the panel's NR columns */
+static inline __attribute__((always_inline)) void store_gemm_row(const vf *a, float *o, int ncols, const float *bias) {
+    if (ncols == NR) {
+        for (int v = 0; v < NV; v++) storev(o + v * VW, bias ? a[v] + loadv(bias + v * VW) : a[v]);
+        return;
+    }
+    float tmp[NR];
+    for (int v = 0; v < NV; v++) storev(tmp + v * VW, a[v]);
+    for (int j = 0; j < ncols; j++) o[j] = bias ? tmp[j] + bias[j] : tmp[j];
+}
+
+/* Gate/up: lanes 0-7 of the panel are gate rows, lanes 8-15 the matching up rows (bias packed
+ * the same way), so one tile computes both halves and the [M, 2I] intermediate is never
+ * written: out[0, ncols) = silu(gate) * up, ncols <= 8. */
+static inline __attribute__((always_inline)) void store_glu_row(const vf *a, float *o, int ncols, const float *bias) {
+#if VW == 8
+    v8 g = a[0], u = a[1];
+#else
+    v8 g = __builtin_shufflevector(a[0], a[0], 0, 1, 2, 3, 4, 5, 6, 7);
+    v8 u = __builtin_shufflevector(a[0], a[0], 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+    if (bias) {
+        g += load8(bias);
+        u += load8(bias + 8);
+    }
+    v8 r = g / ((v8){} + 1.0f + exp8(-g)) * u;
+    if (ncols == 8) {
+        store8(o, r);
+    } else {
+        for (int j = 0; j < ncols; j++) o[j] = r[j];
+    }
+}
+
+/* w[0, NV) = panel row k of float32 / bfloat16 weights. A bfloat16 is the top half of a
+ * float32; a bfloat16 panel row stores its columns in the order 0, 8, 1, 9, .. 7, 15, so
+ * that the even 16-bit words (shifted up) are columns 0-7 and the odd ones (masked) 8-15:
+ * two integer operations widen 16 weights, at either vector width. */
+static inline __attribute__((always_inline)) void load_f32_row(const char *wp, long k, vf *w) {
+    for (int v = 0; v < NV; v++) w[v] = loadv((const float *)wp + k * NR + v * VW);
+}
+
+static inline __attribute__((always_inline)) void load_bf16_row(const char *wp, long k, vf *w) {
+    typedef int32_t v8iu __attribute__((vector_size(32), aligned(2)));
+    v8i words = *(const v8iu *)((const uint16_t *)wp + k * NR);
+    v8 lo = (v8)(words << 16), hi = (v8)(words & (int32_t)0xffff0000u);
+#if VW == 8
+    w[0] = lo, w[1] = hi;
+#else
+    w[0] = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+}
+
+/* a[r][v] = x[r] . (the panel's columns v * VW ..), r < ROWS, summed over k in order; pf: the
+ * next panel, prefetched a line per k (NULL: nothing to prefetch). Two copies of the k loop,
+ * so that the hot one carries no prefetch test (measured: 25-30% faster). */
+#define ACCUMULATE_K(ROWS, LOAD)                                                            \
     {                                                                                       \
-        v8 w0 = load8(wp + k * NR), w1 = load8(wp + k * NR + 8);                            \
-        for (int r = 0; r < MR; r++) {                                                      \
-            v8 xb = splat(x[r * K + k]);                                                    \
-            a0[r] += xb * w0;                                                               \
-            a1[r] += xb * w1;                                                               \
+        vf w[NV];                                                                           \
+        LOAD(wp, k, w);                                                                     \
+        for (int r = 0; r < ROWS; r++) {                                                    \
+            vf xb = splat(x[r * K + k]);                                                    \
+            for (int v = 0; v < NV; v++) a[r][v] += xb * w[v];                              \
         }                                                                                   \
     }
-#define ACCUMULATE(MR)                                                                      \
-    v8 a0[MR], a1[MR];                                                                      \
-    for (int r = 0; r < MR; r++) a0[r] = a1[r] = splat(0.0f);                               \
+#define ACCUMULATE(ROWS, LOAD, ROW_BYTES)                                                   \
+    vf a[ROWS][NV];                                                                         \
+    for (int r = 0; r < ROWS; r++)                                                          \
+        for (int v = 0; v < NV; v++) a[r][v] = splat(0.0f);                                 \
     if (pf) {                                                                               \
         _Pragma("GCC unroll 4") for (long k = 0; k < K; k++) {                              \
-            __builtin_prefetch(pf + k * NR, 0, 3);                                          \
-            ACCUMULATE_K(MR)                                                                \
+            __builtin_prefetch(pf + k * (ROW_BYTES), 0, 3);                                 \
+            ACCUMULATE_K(ROWS, LOAD)                                                        \
         }                                                                                   \
     } else {                                                                                \
-        _Pragma("GCC unroll 4") for (long k = 0; k < K; k++) ACCUMULATE_K(MR)               \
+        _Pragma("GCC unroll 4") for (long k = 0; k < K; k++) ACCUMULATE_K(ROWS, LOAD)       \
     }
 
-#define KERNEL_ARGS                                                                         \
-    const float *restrict x, long K, const float *restrict wp, const float *pf,            \
-        float *restrict out, long ldo, int ncols, const float *restrict bias
-
-/* plain GEMM tile: out[r][0, ncols) = a0|a1 (+ bias) */
-#define DEFINE_GEMM_KERNEL(MR)                                                              \
-    static void gemm_##MR(KERNEL_ARGS) {                                                    \
-        ACCUMULATE(MR)                                                                      \
-        for (int r = 0; r < MR; r++) {                                                      \
-            float *o = out + r * ldo;                                                       \
-            if (ncols == NR) {                                                              \
-                store8(o, bias ? a0[r] + load8(bias) : a0[r]);                              \
-                store8(o + 8, bias ? a1[r] + load8(bias + 8) : a1[r]);                      \
-                continue;                                                                   \
-            }                                                                               \
-            float tmp[NR];                                                                  \
-            store8(tmp, a0[r]);                                                             \
-            store8(tmp + 8, a1[r]);                                                         \
-            for (int j = 0; j < ncols; j++) o[j] = bias ? tmp[j] + bias[j] : tmp[j];        \
-        }                                                                                   \
+#define DEFINE_FLOAT_TILE(NAME, ROWS, LOAD, ROW_BYTES, STORE)                               \
+    static void NAME##_##ROWS(const struct gemm *g, long m, const char *restrict wp, const char *pf, \
+                              float *restrict out, int ncols, const float *restrict bias) { \
+        long K = g->K;                                                                      \
+        const float *restrict x = g->x + m * K;                                             \
+        ACCUMULATE(ROWS, LOAD, ROW_BYTES)                                                   \
+        for (int r = 0; r < ROWS; r++) STORE(a[r], out + r * g->n, ncols, bias);            \
     }
 
-/* Gate/up tile with SiLU(gate) * up in the epilogue: lanes 0-7 of the panel are gate
- * rows, lanes 8-15 the matching up rows (bias packed the same way), so one tile computes
- * both halves and the [M, 2I] intermediate is never written. */
-#define DEFINE_GLU_KERNEL(MR)                                                               \
-    static void glu_##MR(KERNEL_ARGS) {                                                     \
-        ACCUMULATE(MR)                                                                      \
-        for (int r = 0; r < MR; r++) {                                                      \
-            v8 g = a0[r], u = a1[r];                                                        \
-            if (bias) {                                                                     \
-                g += load8(bias);                                                           \
-                u += load8(bias + 8);                                                       \
-            }                                                                               \
-            v8 o = g / (splat(1.0f) + exp_any(-g)) * u;                                     \
-            if (ncols == 8) {                                                               \
-                store8(out + r * ldo, o);                                                   \
-            } else {                                                                        \
-                for (int j = 0; j < ncols; j++) out[r * ldo + j] = o[j];                    \
-            }                                                                               \
-        }                                                                                   \
+#define DEFINE_FLOAT_TILES(ROWS)                                                            \
+    DEFINE_FLOAT_TILE(gemm_f32, ROWS, load_f32_row, NR * 4, store_gemm_row)                 \
+    DEFINE_FLOAT_TILE(glu_f32, ROWS, load_f32_row, NR * 4, store_glu_row)                   \
+    DEFINE_FLOAT_TILE(gemm_bf16, ROWS, load_bf16_row, NR * 2, store_gemm_row)               \
+    DEFINE_FLOAT_TILE(glu_bf16, ROWS, load_bf16_row, NR * 2, store_glu_row)
+DEFINE_FLOAT_TILES(1)
+DEFINE_FLOAT_TILES(2)
+DEFINE_FLOAT_TILES(3)
+DEFINE_FLOAT_TILES(4)
+DEFINE_FLOAT_TILES(5)
+DEFINE_FLOAT_TILES(6)
+#if MR > 6
+DEFINE_FLOAT_TILES(7)
+DEFINE_FLOAT_TILES(8)
+#define TILES_7_8(name) , name##_7, name##_8
+#else
+#define TILES_7_8(name)
+#endif
+#define FLOAT_TILES(name) {0, name##_1, name##_2, name##_3, name##_4, name##_5, name##_6 TILES_7_8(name)}
+static const tile_fn GEMM_F32[MR + 1] = FLOAT_TILES(gemm_f32), GLU_F32[MR + 1] = FLOAT_TILES(glu_f32);
+static const tile_fn GEMM_BF16[MR + 1] = FLOAT_TILES(gemm_bf16), GLU_BF16[MR + 1] = FLOAT_TILES(glu_bf16);
+
+/* ---- int8 weights ----------------------------------------------------------------------
+ * Panel layout: K is padded to Kp, a multiple of QB = 32; for each block of 32 k, 8 groups
+ * of 4 k, each 16 columns x 4 bytes (column j's 4 weights adjacent: what a VNNI dot product
+ * reads), then the block's 16 column sums x 128 as int32 (the VNNI path needs them: it adds
+ * 128 to the activations to make them unsigned); after the last block, the 16 column scales
+ * (float32). An activation row is quantized in blocks of QB, each with its own scale. */
+#define QB 32
+#define Q8_BLOCK_BYTES (QB * NR + NR * 4)
+
+#if !defined(NK_PORTABLE) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define Q8_VNNI512
+#define Q8_ISA "avx512vnni"
+#define Q8_UNSIGNED 1 /* activations stored as x + 128 */
+#define MRQ 8
+#elif !defined(NK_PORTABLE) && defined(__AVXVNNI__)
+#define Q8_AVXVNNI
+#define Q8_ISA "avxvnni"
+#define Q8_UNSIGNED 1
+#define MRQ 3 /* 16 ymm registers: 3 rows x (2 int32 + 2 float32 accumulators) and the weights */
+#elif !defined(NK_PORTABLE) && defined(__AVX2__) && defined(__FMA__) && defined(__FMA__)
+#define Q8_AVX2
+#define Q8_ISA "avx2"
+#define Q8_UNSIGNED 0
+#define MRQ 3 /* 4 rows spill (measured: 1.6x slower) */
+#else
+#define Q8_GENERIC
+#ifdef NK_INT8_OFFSET /* the VNNI paths' arithmetic in plain C (unsigned activations, column sums): tests */
+#define Q8_ISA "generic-offset"
+#define Q8_UNSIGNED 1
+#else
+#define Q8_ISA "generic"
+#define Q8_UNSIGNED 0
+#endif
+#define MRQ 4
+#endif
+
+long nk_q8_padded_k(long K) { return (K + QB - 1) / QB * QB; }
+
+/* x [K] -> q [Kp] (zero padded; + 128 as unsigned bytes for VNNI), s [Kp / QB]:
+ * s = max |x| / 127 over the block, q = rint(x * (127 / max |x|)) (0 for an all-zero block) */
+static void quantize_row(const float *x, long K, long Kp, int8_t *q, float *s) {
+    for (long b = 0; b < Kp / QB; b++) {
+        long k0 = b * QB, n = K - k0 < QB ? K - k0 : QB;
+        float amax = 0.0f;
+        for (long i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[k0 + i]));
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        s[b] = amax / 127.0f;
+        for (long i = 0; i < QB; i++) {
+            float v = i < n ? rintf(x[k0 + i] * inv) : 0.0f;
+            v = fminf(fmaxf(v, -127.0f), 127.0f);
+            q[k0 + i] = (int8_t)((int)v + (Q8_UNSIGNED ? 128 : 0));
+        }
     }
+}
 
-DEFINE_GEMM_KERNEL(1)
-DEFINE_GEMM_KERNEL(2)
-DEFINE_GEMM_KERNEL(3)
-DEFINE_GEMM_KERNEL(4)
-DEFINE_GEMM_KERNEL(5)
-DEFINE_GEMM_KERNEL(6)
-DEFINE_GLU_KERNEL(1)
-DEFINE_GLU_KERNEL(2)
-DEFINE_GLU_KERNEL(3)
-DEFINE_GLU_KERNEL(4)
-DEFINE_GLU_KERNEL(5)
-DEFINE_GLU_KERNEL(6)
+/* One int8 tile: rows [m, m + ROWS) against one panel. Per block of QB k: exact int32 dot
+ * products of the rows with the panel's 16 columns, then f = fma(block scale, float(sum), f);
+ * every instruction set below computes the same integers and the same fused multiply-adds,
+ * so all give the same floats. Q8_TILE_BEGIN / Q8_TILE_END are the shared parts. */
+#define Q8_TILE_BEGIN                                                                       \
+    long Kp = g->Kp, nb = Kp / QB;                                                          \
+    const int8_t *qx = g->qx + m * Kp;                                                      \
+    const float *sx = g->sx + m * nb;                                                       \
+    const char *pb = pf ? pf : wp; /* lines to prefetch: the next panel's (or this one's) */ \
+    float f[MRQ][NR];
 
-typedef void (*tile_fn)(KERNEL_ARGS);
-static const tile_fn GEMM[7] = {0, gemm_1, gemm_2, gemm_3, gemm_4, gemm_5, gemm_6};
-static const tile_fn GLU[7] = {0, glu_1, glu_2, glu_3, glu_4, glu_5, glu_6};
+/* f[r] * column scale, then the GEMM or gate/up epilogue */
+static inline __attribute__((always_inline)) void q8_store(const float (*f)[NR], const char *wp, long nb, float *out,
+                                                           long ldo, int ncols, const float *bias, const int ROWS,
+                                                           const int glu) {
+    const float *scale = (const float *)(wp + nb * Q8_BLOCK_BYTES);
+    for (int r = 0; r < ROWS; r++) {
+        vf a[NV];
+        for (int v = 0; v < NV; v++) a[v] = loadv(f[r] + v * VW) * loadv(scale + v * VW);
+        if (glu)
+            store_glu_row(a, out + r * ldo, ncols, bias);
+        else
+            store_gemm_row(a, out + r * ldo, ncols, bias);
+    }
+}
 
-#define MC 192 /* rows of x per pass over the weights: the block of x stays in L2 */
+static inline __attribute__((always_inline)) void q8_tile(const struct gemm *g, long m, const char *wp,
+                                                          const char *pf, float *out, int ncols,
+                                                          const float *bias, const int ROWS, const int glu) {
+    Q8_TILE_BEGIN
+#if defined(Q8_VNNI512)
+    /* activations are stored + 128 (unsigned); the block's 128 * column sums come off */
+    __m512 fa[MRQ];
+    for (int r = 0; r < ROWS; r++) fa[r] = _mm512_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const char *wb = wp + b * Q8_BLOCK_BYTES;
+        __m512i a[MRQ];
+        for (int r = 0; r < ROWS; r++) a[r] = _mm512_setzero_si512();
+        for (int q = 0; q < QB / 4; q++) {
+            __builtin_prefetch(pb + b * Q8_BLOCK_BYTES + q * 64, 0, 3);
+            __m512i w = _mm512_loadu_si512((const void *)(wb + q * 64));
+            for (int r = 0; r < ROWS; r++) {
+                int32_t xq;
+                memcpy(&xq, qx + r * Kp + b * QB + q * 4, 4);
+                a[r] = _mm512_dpbusd_epi32(a[r], _mm512_set1_epi32(xq), w);
+            }
+        }
+        __m512i sums = _mm512_loadu_si512((const void *)(wb + QB * NR));
+        for (int r = 0; r < ROWS; r++)
+            fa[r] = _mm512_fmadd_ps(_mm512_set1_ps(sx[r * nb + b]), _mm512_cvtepi32_ps(_mm512_sub_epi32(a[r], sums)),
+                                    fa[r]);
+    }
+    for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(f[r], fa[r]);
+#elif defined(Q8_AVXVNNI) || defined(Q8_AVX2)
+    __m256 fa[MRQ][2];
+    for (int r = 0; r < ROWS; r++) fa[r][0] = fa[r][1] = _mm256_setzero_ps();
+#ifdef Q8_AVX2
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    for (long b = 0; b < nb; b++) {
+        const char *wb = wp + b * Q8_BLOCK_BYTES;
+        __m256i a[MRQ][2];
+        for (int r = 0; r < ROWS; r++) a[r][0] = a[r][1] = _mm256_setzero_si256();
+        for (int q = 0; q < QB / 4; q++) { /* unrolled, GCC spills the accumulators */
+            __builtin_prefetch(pb + b * Q8_BLOCK_BYTES + q * 64, 0, 3);
+            __m256i w0 = _mm256_loadu_si256((const __m256i *)(wb + q * 64));
+            __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + q * 64 + 32));
+#ifdef Q8_AVX2
+            /* maddubs multiplies unsigned by signed bytes: |w| by x with w's sign, adjacent
+             * pairs summed to int16 (at most 2 * 127 * 127: no saturation), then pairs of those */
+            __m256i u0 = _mm256_abs_epi8(w0), u1 = _mm256_abs_epi8(w1);
+#endif
+            for (int r = 0; r < ROWS; r++) {
+                int32_t xq;
+                memcpy(&xq, qx + r * Kp + b * QB + q * 4, 4);
+                __m256i xv = _mm256_set1_epi32(xq);
+#ifdef Q8_AVX2
+                a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_sign_epi8(xv, w0)), ones));
+                a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_sign_epi8(xv, w1)), ones));
+#else
+                a[r][0] = _mm256_dpbusd_avx_epi32(a[r][0], xv, w0);
+                a[r][1] = _mm256_dpbusd_avx_epi32(a[r][1], xv, w1);
+#endif
+            }
+        }
+#ifdef Q8_AVXVNNI
+        __m256i s0 = _mm256_loadu_si256((const __m256i *)(wb + QB * NR));
+        __m256i s1 = _mm256_loadu_si256((const __m256i *)(wb + QB * NR + 32));
+        for (int r = 0; r < ROWS; r++) a[r][0] = _mm256_sub_epi32(a[r][0], s0), a[r][1] = _mm256_sub_epi32(a[r][1], s1);
+#endif
+        for (int r = 0; r < ROWS; r++) {
+            __m256 s = _mm256_set1_ps(sx[r * nb + b]);
+            fa[r][0] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(a[r][0]), fa[r][0]);
+            fa[r][1] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(a[r][1]), fa[r][1]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++) _mm256_storeu_ps(f[r], fa[r][0]), _mm256_storeu_ps(f[r] + 8, fa[r][1]);
+#else
+    typedef int32_t vq __attribute__((vector_size(64)));
+    typedef int32_t vqu __attribute__((vector_size(64), aligned(1)));
+    memset(f, 0, sizeof f);
+    for (long b = 0; b < nb; b++) {
+        const char *wb = wp + b * Q8_BLOCK_BYTES;
+        vq a[MRQ];
+        for (int r = 0; r < ROWS; r++) a[r] = (vq){};
+        for (int q = 0; q < QB / 4; q++) {
+            __builtin_prefetch(pb + b * Q8_BLOCK_BYTES + q * 64, 0, 3);
+            vq w = *(const vqu *)(wb + q * 64);
+            for (int i = 0; i < 4; i++) {
+                vq wi = (w << (24 - 8 * i)) >> 24; /* byte i of each column, sign-extended */
+                for (int r = 0; r < ROWS; r++) {
+                    int8_t xb = qx[r * Kp + b * QB + q * 4 + i];
+                    a[r] += wi * (Q8_UNSIGNED ? (int32_t)(uint8_t)xb : (int32_t)xb);
+                }
+            }
+        }
+        if (Q8_UNSIGNED)
+            for (int r = 0; r < ROWS; r++) a[r] -= *(const vqu *)(wb + QB * NR); /* 128 * column sums */
+        for (int r = 0; r < ROWS; r++)
+            for (int j = 0; j < NR; j++) f[r][j] = fmaf(sx[r * nb + b], (float)a[r][j], f[r][j]);
+    }
+#endif
+    q8_store((const float (*)[NR])f, wp, nb, out, g->n, ncols, bias, ROWS, glu);
+}
+
+#define DEFINE_Q8_TILES(ROWS)                                                               \
+    static void gemm_q8_##ROWS(const struct gemm *g, long m, const char *w, const char *pf, float *out, \
+                               int ncols, const float *bias) {                              \
+        q8_tile(g, m, w, pf, out, ncols, bias, ROWS, 0);                                    \
+    }                                                                                       \
+    static void glu_q8_##ROWS(const struct gemm *g, long m, const char *w, const char *pf, float *out, \
+                              int ncols, const float *bias) {                               \
+        q8_tile(g, m, w, pf, out, ncols, bias, ROWS, 1);                                    \
+    }
+DEFINE_Q8_TILES(1)
+DEFINE_Q8_TILES(2)
+DEFINE_Q8_TILES(3)
+#if MRQ == 3
+#define Q8_TILES(name) {0, name##_1, name##_2, name##_3}
+#elif MRQ == 4
+DEFINE_Q8_TILES(4)
+#define Q8_TILES(name) {0, name##_1, name##_2, name##_3, name##_4}
+#else
+DEFINE_Q8_TILES(4)
+DEFINE_Q8_TILES(5)
+DEFINE_Q8_TILES(6)
+DEFINE_Q8_TILES(7)
+DEFINE_Q8_TILES(8)
+#define Q8_TILES(name) {0, name##_1, name##_2, name##_3, name##_4, name##_5, name##_6, name##_7, name##_8}
+#endif
+static const tile_fn GEMM_Q8[MRQ + 1] = Q8_TILES(gemm_q8), GLU_Q8[MRQ + 1] = Q8_TILES(glu_q8);
+
+/* ---- the calls --------------------------------------------------------------------------- */
 
 /* Every packed panel against every row of x: panel p writes output columns
- * [p * cols, p * cols + cols) of out [M, n] (cols = 16 for a GEMM, 8 for gate/up) and
- * reads bias + p * NR. Panels are split across threads; the first row block of a panel
- * streams in the next panel (weights come from memory at decode batch sizes), the
- * others find this one in cache. */
-static void run_panels(const tile_fn *fn, const float *x, long M, long K, const float *wp, long n, long cols,
-                       const float *bias, float *out) {
-    long panels = (n + cols - 1) / cols;
+ * [p * cols, p * cols + cols) of out and reads bias + p * NR. Panels are split across
+ * threads; the first row block of a panel streams in the next panel (weights come from
+ * memory at decode batch sizes), the others find this one in cache. */
+static void run_panels(const tile_fn *fn, int mr, const struct gemm *g) {
+    long panels = (g->n + g->cols - 1) / g->cols, M = g->M;
 #pragma omp parallel
     for (long m0 = 0; m0 < M; m0 += MC) {
         long m1 = m0 + MC < M ? m0 + MC : M;
 #pragma omp for schedule(static) nowait
         for (long p = 0; p < panels; p++) {
-            const float *w = wp + p * K * NR;
-            int ncols = (int)(n - p * cols < cols ? n - p * cols : cols);
-            const float *b = bias ? bias + p * NR : 0;
-            const float *pf = p + 1 < panels ? w + K * NR : 0;
+            const char *w = g->w + p * g->panel_bytes;
+            int ncols = (int)(g->n - p * g->cols < g->cols ? g->n - p * g->cols : g->cols);
+            const float *b = g->bias ? g->bias + p * NR : 0;
+            const char *pf = p + 1 < panels ? w + g->panel_bytes : 0;
+            float *o = g->out + p * g->cols;
             long m = m0;
-            for (; m + 6 <= m1; m += 6, pf = 0) fn[6](x + m * K, K, w, pf, out + m * n + p * cols, n, ncols, b);
-            if (m < m1) fn[m1 - m](x + m * K, K, w, pf, out + m * n + p * cols, n, ncols, b);
+            for (; m + mr <= m1; m += mr, pf = 0) fn[mr](g, m, w, pf, o + m * g->n, ncols, b);
+            if (m < m1) fn[m1 - m](g, m, w, pf, o + m * g->n, ncols, b);
         }
     }
 }
 
-/* out[M, N] = x[M, K] @ W^T (+ bias [N]) */
-void nk_linear(const float *x, long M, long K, const float *wp, long N, const float *bias, float *out) {
-    run_panels(GEMM, x, M, K, wp, N, NR, bias, out);
+/* bytes of one packed panel of K rows */
+long nk_panel_bytes(int fmt, long K) {
+    if (fmt == NK_INT8) return nk_q8_padded_k(K) / QB * Q8_BLOCK_BYTES + NR * 4;
+    return K * NR * (fmt == NK_BF16 ? 2 : 4);
 }
 
-/* out[M, I] = silu(x Wg^T + bg) * (x Wu^T + bu); wp, bias from pack_gate_up */
-void nk_linear_silu_mul(const float *x, long M, long K, const float *wp, long I, const float *bias, float *out) {
-    run_panels(GLU, x, M, K, wp, I, 8, bias, out);
+static void gemm(int fmt, int glu, const float *x, long M, long K, const void *w, long n, const float *bias,
+                 float *out) {
+    struct gemm g = {.x = x, .M = M, .K = K, .n = n, .cols = glu ? NR / 2 : NR, .w = w,
+                     .panel_bytes = nk_panel_bytes(fmt, K), .bias = bias, .out = out};
+    if (fmt == NK_F32) {
+        run_panels(glu ? GLU_F32 : GEMM_F32, MR, &g);
+        return;
+    }
+    if (fmt == NK_BF16) {
+        run_panels(glu ? GLU_BF16 : GEMM_BF16, MR, &g);
+        return;
+    }
+    g.Kp = nk_q8_padded_k(K);
+    long nb = g.Kp / QB;
+    int8_t *qx = malloc(M * g.Kp + 1);
+    float *sx = malloc(sizeof(float) * (M * nb + 1));
+#pragma omp parallel for schedule(static) if (M * K >= 32768)
+    for (long m = 0; m < M; m++) quantize_row(x + m * K, K, g.Kp, qx + m * g.Kp, sx + m * nb);
+    g.qx = qx, g.sx = sx;
+    run_panels(glu ? GLU_Q8 : GEMM_Q8, MRQ, &g);
+    free(qx);
+    free(sx);
 }
+
+/* out[M, N] = x[M, K] @ W^T (+ bias [N]); w: W packed in format fmt */
+void nk_linear(const float *x, long M, long K, const void *w, int fmt, long N, const float *bias, float *out) {
+    gemm(fmt, 0, x, M, K, w, N, bias, out);
+}
+
+/* out[M, I] = silu(x Wg^T + bg) * (x Wu^T + bu); w, bias from pack_gate_up */
+void nk_linear_silu_mul(const float *x, long M, long K, const void *w, int fmt, long I, const float *bias,
+                        float *out) {
+    gemm(fmt, 1, x, M, K, w, I, bias, out);
+}
+
+/* out[t] = row ids[t] of W [N, K] as the GEMM multiplies by it (bfloat16 widened, int8 times
+ * its row's scale), read from the packed panels: a tied embedding looks its rows up in the
+ * LM head's packed copy instead of keeping a second one. */
+void nk_embed(const int64_t *ids, long T, const void *w, int fmt, long K, float *out) {
+    long panel_bytes = nk_panel_bytes(fmt, K), nb = nk_q8_padded_k(K) / QB;
+#pragma omp parallel for schedule(static) if (T * K >= 65536)
+    for (long t = 0; t < T; t++) {
+        long p = ids[t] / NR, j = ids[t] % NR;
+        const char *panel = (const char *)w + p * panel_bytes;
+        float *o = out + t * K;
+        if (fmt == NK_F32) {
+            for (long k = 0; k < K; k++) o[k] = ((const float *)panel)[k * NR + j];
+        } else if (fmt == NK_BF16) {
+            long at = j < 8 ? 2 * j : 2 * (j - 8) + 1; /* load_bf16_row's column order */
+            for (long k = 0; k < K; k++) {
+                uint32_t bits = (uint32_t)((const uint16_t *)panel)[k * NR + at] << 16;
+                memcpy(o + k, &bits, 4);
+            }
+        } else {
+            float scale = ((const float *)(panel + nb * Q8_BLOCK_BYTES))[j];
+            for (long k = 0; k < K; k++) {
+                const int8_t *q = (const int8_t *)panel + (k / QB) * Q8_BLOCK_BYTES + (k % QB) / 4 * 64 + j * 4 + k % 4;
+                o[k] = (float)*q * scale;
+            }
+        }
+    }
+}
+
+int nk_width(void) { return VW; }
+const char *nk_int8_isa(void) { return Q8_ISA; }
 
 /* ---- paged decode attention ----------------------------------------------------------- */
-
-static inline float hsum(v8 v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
 
 /* Pages sit anywhere in the pool, so the hardware prefetcher cannot guess the next one:
  * while a page is read, the next page of the table is prefetched, spread over the work
@@ -217,13 +619,13 @@ static void scores(const float *q, long G, long D, long h0, long h1, const float
                         done += len;
                     }
                     const float *qg = q + (h * G + g) * D;
-                    v8 a0 = splat(0), a1 = splat(0), a2 = splat(0), a3 = splat(0);
-                    for (long d = 0; d < D; d += 8) {
-                        v8 qv = load8(qg + d);
-                        a0 += qv * load8(k0 + d);
-                        a1 += qv * load8(k1 + d);
-                        a2 += qv * load8(k2 + d);
-                        a3 += qv * load8(k3 + d);
+                    vf a0 = splat(0), a1 = splat(0), a2 = splat(0), a3 = splat(0);
+                    for (long d = 0; d < D; d += VW) {
+                        vf qv = loadv_part(qg + d, D - d);
+                        a0 += qv * loadv_part(k0 + d, D - d);
+                        a1 += qv * loadv_part(k1 + d, D - d);
+                        a2 += qv * loadv_part(k2 + d, D - d);
+                        a3 += qv * loadv_part(k3 + d, D - d);
                     }
                     float *sg = s + ((h - h0) * G + g) * L + t0 + t;
                     sg[0] = hsum(a0) * scale;
@@ -237,8 +639,9 @@ static void scores(const float *q, long G, long D, long h0, long h1, const float
             for (long h = h0; h < h1; h++) {
                 const float *k0 = page + t * row_stride + h * D;
                 for (long g = 0; g < G; g++) {
-                    v8 a0 = splat(0);
-                    for (long d = 0; d < D; d += 8) a0 += load8(q + (h * G + g) * D + d) * load8(k0 + d);
+                    vf a0 = splat(0);
+                    for (long d = 0; d < D; d += VW)
+                        a0 += loadv_part(q + (h * G + g) * D + d, D - d) * loadv_part(k0 + d, D - d);
                     s[((h - h0) * G + g) * L + t0 + t] = hsum(a0) * scale;
                 }
             }
@@ -267,26 +670,27 @@ static void weighted_values(const float *s, long G, long D, long h0, long h1, co
             const float *sg = s + r * L + t0;
             const float *vh = page + (h0 + r / G) * D;
             float *ag = acc + r * D;
-            for (long d0 = 0; d0 < D; d0 += 32) { /* up to 4 accumulators in registers over the page */
-                long w = D - d0 < 32 ? D - d0 : 32;
-                v8 a0 = load8(ag + d0), a1 = w > 8 ? load8(ag + d0 + 8) : splat(0);
-                v8 a2 = w > 16 ? load8(ag + d0 + 16) : splat(0), a3 = w > 24 ? load8(ag + d0 + 24) : splat(0);
+            for (long d0 = 0; d0 < D; d0 += 4 * VW) { /* up to 4 accumulators in registers over the page */
+                long w = D - d0 < 4 * VW ? D - d0 : 4 * VW;
+                vf a0 = loadv_part(ag + d0, w), a1 = w > VW ? loadv_part(ag + d0 + VW, w - VW) : splat(0);
+                vf a2 = w > 2 * VW ? loadv_part(ag + d0 + 2 * VW, w - 2 * VW) : splat(0);
+                vf a3 = w > 3 * VW ? loadv_part(ag + d0 + 3 * VW, w - 3 * VW) : splat(0);
                 for (long j = 0; j < n; j++) {
                     const float *vr = vh + j * row_stride + d0;
                     if (pf < pf_end) {
                         __builtin_prefetch(pf, 0, 3);
                         pf += 16;
                     }
-                    v8 p = splat(sg[j]);
-                    a0 += p * load8(vr);
-                    if (w > 8) a1 += p * load8(vr + 8);
-                    if (w > 16) a2 += p * load8(vr + 16);
-                    if (w > 24) a3 += p * load8(vr + 24);
+                    vf p = splat(sg[j]);
+                    a0 += p * loadv_part(vr, w);
+                    if (w > VW) a1 += p * loadv_part(vr + VW, w - VW);
+                    if (w > 2 * VW) a2 += p * loadv_part(vr + 2 * VW, w - 2 * VW);
+                    if (w > 3 * VW) a3 += p * loadv_part(vr + 3 * VW, w - 3 * VW);
                 }
-                store8(ag + d0, a0);
-                if (w > 8) store8(ag + d0 + 8, a1);
-                if (w > 16) store8(ag + d0 + 16, a2);
-                if (w > 24) store8(ag + d0 + 24, a3);
+                storev_part(ag + d0, a0, w);
+                if (w > VW) storev_part(ag + d0 + VW, a1, w - VW);
+                if (w > 2 * VW) storev_part(ag + d0 + 2 * VW, a2, w - 2 * VW);
+                if (w > 3 * VW) storev_part(ag + d0 + 3 * VW, a3, w - 3 * VW);
             }
             if (pf < pf_end) prefetch_page(pf, pf_end - pf); /* what the reads did not cover */
         }
@@ -297,11 +701,11 @@ static void weighted_values(const float *s, long G, long D, long h0, long h1, co
 static float softmax_row(float *s, long L) {
     float mx = -INFINITY;
     for (long t = 0; t < L; t++) mx = s[t] > mx ? s[t] : mx;
-    v8 acc = splat(0);
+    vf acc = splat(0);
     long t = 0;
-    for (; t + 8 <= L; t += 8) {
-        v8 e = exp_any(load8(s + t) - splat(mx));
-        store8(s + t, e);
+    for (; t + VW <= L; t += VW) {
+        vf e = exp_any(loadv(s + t) - splat(mx));
+        storev(s + t, e);
         acc += e;
     }
     float sum = hsum(acc);
@@ -317,7 +721,7 @@ static float softmax_row(float *s, long L) {
  * context lengths c0..c0+n-1) and one KV head: its R = n * G query rows share every key
  * and value read. The rows are packed once, transposed, into 16-row panels, so that
  * S^T = K Q^T has the rows in vector lanes: keys are broadcast straight from their cache
- * rows, up to 6 keys x 16 rows of accumulators. The softmax then runs down the keys with
+ * rows, up to 6 keys x 16 rows of accumulators (16 / VW vectors per key). The softmax then runs down the keys with
  * the rows in lanes too (no horizontal sums), and O = P V goes a page at a time, up to 6
  * rows x 16 dims of accumulators, the page's value rows staying in L1 while every row
  * block passes over them. */
@@ -380,20 +784,19 @@ static void pack_rows(const float *const *qr, long R, long D, float *qt) {
 static inline __attribute__((always_inline)) void score_block(const float *keys, long row_stride, long D,
                                                               const float *w, float scale, float *o, long Rp,
                                                               const int NB) {
-    v8 a0[KB], a1[KB];
-    for (int i = 0; i < NB; i++) a0[i] = a1[i] = splat(0);
+    vf a[KB][NV];
+    for (int i = 0; i < NB; i++)
+        for (int v = 0; v < NV; v++) a[i][v] = splat(0);
     for (long d = 0; d < D; d++) {
-        v8 w0 = load8(w + d * 16), w1 = load8(w + d * 16 + 8);
+        vf wv[NV];
+        for (int v = 0; v < NV; v++) wv[v] = loadv(w + d * 16 + v * VW);
         for (int i = 0; i < NB; i++) {
-            v8 b = splat(keys[i * row_stride + d]);
-            a0[i] += b * w0;
-            a1[i] += b * w1;
+            vf b = splat(keys[i * row_stride + d]);
+            for (int v = 0; v < NV; v++) a[i][v] += b * wv[v];
         }
     }
-    for (int i = 0; i < NB; i++) {
-        store8(o + i * Rp, a0[i] * splat(scale));
-        store8(o + i * Rp + 8, a1[i] * splat(scale));
-    }
+    for (int i = 0; i < NB; i++)
+        for (int v = 0; v < NV; v++) storev(o + i * Rp + v * VW, a[i][v] * splat(scale));
 }
 
 /* st[t][r] = scale * k_t . q_r for the n keys of one page, r < Rp */
@@ -407,37 +810,27 @@ static void page_scores(const float *keys, long n, long row_stride, long D, cons
         }
 }
 
-/* out rows 0..NB-1 (orow), dims [d0, d0 + 8 * halves), += P V over the page's nk keys (p:
- * P^T at the page's first key and the block's first row, stride Rp); the first page starts
- * from zero */
+/* out rows 0..NB-1 (orow), dims [d0, d0 + DIMS) (16, or 8 at the end of an odd head), += P V
+ * over the page's nk keys (p: P^T at the page's first key and the block's first row, stride
+ * Rp); the first page starts from zero. DIMS is a constant, so each case compiles alone. */
 static inline __attribute__((always_inline)) void value_block(const float *p, long Rp, const float *page, long nk,
                                                               long row_stride, float *const *orow, int first,
-                                                              long d0, int halves, const int NB) {
-    v8 a0[KB], a1[KB];
-    for (int i = 0; i < NB; i++) {
-        a0[i] = first ? splat(0) : load8(orow[i] + d0);
-        a1[i] = first || halves < 2 ? splat(0) : load8(orow[i] + d0 + 8);
-    }
-    if (halves == 2) {
-        for (long j = 0; j < nk; j++) {
-            const float *vr = page + j * row_stride + d0, *pj = p + j * Rp;
-            v8 w0 = load8(vr), w1 = load8(vr + 8);
-            for (int i = 0; i < NB; i++) {
-                v8 b = splat(pj[i]);
-                a0[i] += b * w0;
-                a1[i] += b * w1;
-            }
-        }
-    } else {
-        for (long j = 0; j < nk; j++) {
-            v8 w0 = load8(page + j * row_stride + d0);
-            for (int i = 0; i < NB; i++) a0[i] += splat(p[j * Rp + i]) * w0;
+                                                              long d0, const int DIMS, const int NB) {
+    const int VECS = (DIMS + VW - 1) / VW; /* vectors over the dims, the last one perhaps half used */
+    vf a[KB][NV];
+    for (int i = 0; i < NB; i++)
+        for (int v = 0; v < VECS; v++) a[i][v] = first ? splat(0) : loadv_part(orow[i] + d0 + v * VW, DIMS - v * VW);
+    for (long j = 0; j < nk; j++) {
+        const float *vr = page + j * row_stride + d0, *pj = p + j * Rp;
+        vf wv[NV];
+        for (int v = 0; v < VECS; v++) wv[v] = loadv_part(vr + v * VW, DIMS - v * VW);
+        for (int i = 0; i < NB; i++) {
+            vf b = splat(pj[i]);
+            for (int v = 0; v < VECS; v++) a[i][v] += b * wv[v];
         }
     }
-    for (int i = 0; i < NB; i++) {
-        store8(orow[i] + d0, a0[i]);
-        if (halves == 2) store8(orow[i] + d0 + 8, a1[i]);
-    }
+    for (int i = 0; i < NB; i++)
+        for (int v = 0; v < VECS; v++) storev_part(orow[i] + d0 + v * VW, a[i][v], DIMS - v * VW);
 }
 
 /* one prefill tile (queries t0..t0+n-1, contexts c0..c0+n-1) against KV head h;
@@ -459,25 +852,25 @@ static void attend_tile(const float *q, const float *kc, const float *vc, const 
         page_scores(kc + (long)table[k0 / bs] * bs * row_stride + h * D, nk, row_stride, D, qt, Rp, scale,
                     s + k0 * Rp);
     }
-    /* softmax down the keys, 8 rows per vector: row r sees the first c0 + r / G keys */
+    /* softmax down the keys, VW rows per vector: row r sees the first c0 + r / G keys */
     float inv[TILE_ROWS];
-    for (long r0 = 0; r0 < Rp; r0 += 8) {
-        v8i seen;
-        for (int i = 0; i < 8; i++) seen[i] = (int32_t)(c0 + (r0 + i) / G);
-        v8 mx = splat(-INFINITY), sum = splat(0);
+    for (long r0 = 0; r0 < Rp; r0 += VW) {
+        vi seen;
+        for (int i = 0; i < VW; i++) seen[i] = (int32_t)(c0 + (r0 + i) / G);
+        vf mx = splat(-INFINITY), sum = splat(0);
         for (long t = 0; t < L; t++) {
-            v8 x = load8(s + t * Rp + r0);
-            v8i live = (v8i){0, 0, 0, 0, 0, 0, 0, 0} + (int32_t)t < seen;
-            mx = select8(live & (x > mx), x, mx);
+            vf x = loadv(s + t * Rp + r0);
+            vi live = (vi){} + (int32_t)t < seen;
+            mx = selectv(live & (x > mx), x, mx);
         }
         for (long t = 0; t < L; t++) {
-            v8i live = (v8i){0, 0, 0, 0, 0, 0, 0, 0} + (int32_t)t < seen;
-            v8 e = exp_any(load8(s + t * Rp + r0) - mx);
-            e = select8(live, e, splat(0));
-            store8(s + t * Rp + r0, e);
+            vi live = (vi){} + (int32_t)t < seen;
+            vf e = exp_any(loadv(s + t * Rp + r0) - mx);
+            e = selectv(live, e, splat(0));
+            storev(s + t * Rp + r0, e);
             sum += e;
         }
-        for (int i = 0; i < 8 && r0 + i < R; i++) inv[r0 + i] = 1.0f / sum[i];
+        for (int i = 0; i < VW && r0 + i < R; i++) inv[r0 + i] = 1.0f / sum[i];
     }
     /* O = P V, a page at a time; the sums go back to the output rows between pages */
     for (long k0 = 0; k0 < L; k0 += bs) {
@@ -485,14 +878,20 @@ static void attend_tile(const float *q, const float *kc, const float *vc, const 
         long nk = L - k0 < bs ? L - k0 : bs;
         for (long r0 = 0; r0 < R; r0 += KB)
             for (long d0 = 0; d0 < D; d0 += 16) {
-#define VALUE_BLOCK(NB) value_block(s + k0 * Rp + r0, Rp, page, nk, row_stride, orow + r0, k0 == 0, d0, D - d0 >= 16 ? 2 : 1, NB)
-                SPECIALIZE(R - r0, VALUE_BLOCK)
-#undef VALUE_BLOCK
+#define VALUE_BLOCK_16(NB) value_block(s + k0 * Rp + r0, Rp, page, nk, row_stride, orow + r0, k0 == 0, d0, 16, NB)
+#define VALUE_BLOCK_8(NB) value_block(s + k0 * Rp + r0, Rp, page, nk, row_stride, orow + r0, k0 == 0, d0, 8, NB)
+                if (D - d0 >= 16) {
+                    SPECIALIZE(R - r0, VALUE_BLOCK_16)
+                } else {
+                    SPECIALIZE(R - r0, VALUE_BLOCK_8)
+                }
+#undef VALUE_BLOCK_16
+#undef VALUE_BLOCK_8
             }
     }
     for (long r = 0; r < R; r++) {
-        v8 f = splat(inv[r]);
-        for (long d = 0; d < D; d += 8) store8(orow[r] + d, load8(orow[r] + d) * f);
+        vf f = splat(inv[r]);
+        for (long d = 0; d < D; d += VW) storev_part(orow[r] + d, loadv_part(orow[r] + d, D - d) * f, D - d);
     }
 }
 
@@ -580,17 +979,17 @@ void nk_paged_attention(const float *q, const float *kc, const float *vc, const 
 
 /* one row: out = w * (x * rsqrt(mean(x^2) + eps)) */
 static inline void rmsnorm_row(const float *x, long H, const float *w, float eps, float *out) {
-    v8 acc = splat(0);
+    vf acc = splat(0);
     long i = 0;
-    for (; i + 8 <= H; i += 8) {
-        v8 v = load8(x + i);
+    for (; i + VW <= H; i += VW) {
+        vf v = loadv(x + i);
         acc += v * v;
     }
     float ss = hsum(acc);
     for (; i < H; i++) ss += x[i] * x[i];
     float r = 1.0f / sqrtf(ss / (float)H + eps);
     i = 0;
-    for (; i + 8 <= H; i += 8) store8(out + i, load8(w + i) * (load8(x + i) * splat(r)));
+    for (; i + VW <= H; i += VW) storev(out + i, loadv(w + i) * (loadv(x + i) * splat(r)));
     for (; i < H; i++) out[i] = w[i] * (x[i] * r);
 }
 
@@ -603,7 +1002,7 @@ void nk_rmsnorm(const float *x, float *residual, long M, long H, const float *w,
         if (residual) {
             float *rr = residual + m * H;
             long i = 0;
-            for (; i + 8 <= H; i += 8) store8(rr + i, load8(xr + i) + load8(rr + i));
+            for (; i + VW <= H; i += VW) storev(rr + i, loadv(xr + i) + loadv(rr + i));
             for (; i < H; i++) rr[i] = xr[i] + rr[i];
             xr = rr;
         }
@@ -647,10 +1046,17 @@ void nk_qk_norm_rope(const float *qkv, long T, long Hq, long Hkv, long D, const 
  * The same steps as the Python layer, kernel after kernel, without going back to Python
  * between them: per-step overhead is most of a small model's decode step otherwise. */
 struct nk_layer {
-    long H, Hq, Hkv, D, I, bs;
+    long H, Hq, Hkv, D, I, bs, fmt; /* fmt: the projections' weight format (NK_F32, ...) */
     float eps, scale;
     const float *input_norm, *post_norm, *q_norm, *k_norm; /* q/k norms may be NULL */
-    const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    const void *qkv; /* weights packed in format fmt, biases float32 */
+    const float *qkv_bias;
+    const void *o;
+    const float *o_bias;
+    const void *gate_up;
+    const float *gate_up_bias;
+    const void *down;
+    const float *down_bias;
     float *k_cache, *v_cache; /* [num_blocks, bs, Hkv, D] */
 };
 
@@ -678,7 +1084,7 @@ void nk_decoder_layer(const struct nk_layer *l, const struct nk_step *s, const f
     } else {
         nk_rmsnorm(x, residual, T, H, l->input_norm, l->eps, s->normed);
     }
-    nk_linear(s->normed, T, H, l->qkv, qkv_width, l->qkv_bias, s->qkv);
+    nk_linear(s->normed, T, H, l->qkv, l->fmt, qkv_width, l->qkv_bias, s->qkv);
     nk_qk_norm_rope(s->qkv, T, l->Hq, l->Hkv, l->D, l->q_norm, l->k_norm, l->eps, s->cos, s->sin, s->q, s->k);
     for (long t = 0; t < T; t++) { /* new K/V into their cache slots */
         memcpy(l->k_cache + s->slots[t] * kv, s->k + t * kv, sizeof(float) * kv);
@@ -696,8 +1102,8 @@ void nk_decoder_layer(const struct nk_layer *l, const struct nk_step *s, const f
         T = s->keep_n;
         if (T == 0) return;
     }
-    nk_linear(s->attn, T, q_dim, l->o, H, l->o_bias, s->o);
+    nk_linear(s->attn, T, q_dim, l->o, l->fmt, H, l->o_bias, s->o);
     nk_rmsnorm(s->o, residual, T, H, l->post_norm, l->eps, s->normed);
-    nk_linear_silu_mul(s->normed, T, H, l->gate_up, l->I, l->gate_up_bias, s->act);
-    nk_linear(s->act, T, l->I, l->down, H, l->down_bias, out);
+    nk_linear_silu_mul(s->normed, T, H, l->gate_up, l->fmt, l->I, l->gate_up_bias, s->act);
+    nk_linear(s->act, T, l->I, l->down, l->fmt, H, l->down_bias, out);
 }

@@ -19,7 +19,7 @@ _P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 class NkLayer(ctypes.Structure):
     """struct nk_layer (cpu.c): one decoder layer's sizes, packed weights and KV cache."""
 
-    _fields_ = [(n, _L) for n in ("H", "Hq", "Hkv", "D", "I", "bs")] + [("eps", _F), ("scale", _F)] + [
+    _fields_ = [(n, _L) for n in ("H", "Hq", "Hkv", "D", "I", "bs", "fmt")] + [("eps", _F), ("scale", _F)] + [
         (n, _P) for n in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias",
                           "gate_up", "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")]
 
@@ -34,23 +34,38 @@ class NkStep(ctypes.Structure):
         ("keep_n", _L), ("keep", _P)]
 
 
-@lru_cache(maxsize=1)
 def lib():
-    """The loaded library (built at first call), or None: switched off or not buildable."""
+    """The library of this process's variant (NANOKV_CPU_WIDTH, read on every call; built
+    at its first call), or None: switched off or not buildable."""
     if build.switched_off():
         return None
+    return load(build.width())
+
+
+@lru_cache(maxsize=None)
+def load(width: int | None = None, portable: bool | str = False):
+    """One variant of the library (build.flags), built and loaded once; None when it does
+    not build or load (warned)."""
     try:
-        lib = ctypes.CDLL(str(build.build()))
+        lib = ctypes.CDLL(str(build.build(width, portable)))
     except Exception as e:  # no compiler, a compile error, an unloadable library
         logger.warning("nanokv CPU kernels unavailable, using the torch path: %s", e)
         return None
-    p, i, f = _P, _L, _F
-    lib.nk_linear.argtypes = [p, i, i, p, i, p, p]
+    p, i, f, n = _P, _L, _F, ctypes.c_int
+    lib.nk_linear.argtypes = [p, i, i, p, n, i, p, p]
     lib.nk_linear.restype = None
     lib.nk_paged_attention.argtypes = [p, p, p, p, i, p, p, i, i, i, i, i, f, i, p]
     lib.nk_paged_attention.restype = None
-    lib.nk_linear_silu_mul.argtypes = [p, i, i, p, i, p, p]
+    lib.nk_linear_silu_mul.argtypes = [p, i, i, p, n, i, p, p]
     lib.nk_linear_silu_mul.restype = None
+    lib.nk_panel_bytes.argtypes = [n, i]
+    lib.nk_panel_bytes.restype = i
+    lib.nk_embed.argtypes = [p, i, p, n, i, p]
+    lib.nk_embed.restype = None
+    lib.nk_width.argtypes = []
+    lib.nk_width.restype = n
+    lib.nk_int8_isa.argtypes = []
+    lib.nk_int8_isa.restype = ctypes.c_char_p
     lib.nk_decoder_layer.argtypes = [ctypes.POINTER(NkLayer), ctypes.POINTER(NkStep), p, p, ctypes.c_int,
                                      ctypes.c_int, p]
     lib.nk_decoder_layer.restype = None

@@ -25,15 +25,16 @@ class FusedCpuLayers:
     def _describe(layer) -> NkLayer:
         attn, mlp = layer.self_attn, layer.mlp
         qkv, o, gu, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+        assert len({p.packed.format for p in (qkv, o, gu, down)}) == 1  # one format per layer (cpu.c)
         return NkLayer(
             H=layer.input_layernorm.weight.shape[0], Hq=attn.num_heads, Hkv=attn.num_kv_heads, D=attn.head_dim,
-            I=gu.out_features, bs=0, eps=layer.input_layernorm.eps, scale=attn.attn.scale,
+            I=gu.out_features, bs=0, fmt=qkv.packed.code, eps=layer.input_layernorm.eps, scale=attn.attn.scale,
             input_norm=ptr(layer.input_layernorm.weight), post_norm=ptr(layer.post_attention_layernorm.weight),
             q_norm=ptr(attn.q_norm.weight if attn.q_norm is not None else None),
             k_norm=ptr(attn.k_norm.weight if attn.k_norm is not None else None),
-            qkv=ptr(qkv.packed), qkv_bias=ptr(qkv.bias), o=ptr(o.packed), o_bias=ptr(o.bias),
-            gate_up=ptr(gu.packed), gate_up_bias=ptr(gu.packed_bias if gu.bias is not None else None),
-            down=ptr(down.packed), down_bias=ptr(down.bias))
+            qkv=ptr(qkv.packed.data), qkv_bias=ptr(qkv.bias), o=ptr(o.packed.data), o_bias=ptr(o.bias),
+            gate_up=ptr(gu.packed.data), gate_up_bias=ptr(gu.packed_bias if gu.bias is not None else None),
+            down=ptr(down.packed.data), down_bias=ptr(down.bias))
 
     def _buffer(self, name: str, rows: int, cols: int) -> torch.Tensor:
         return self.buffers.setdefault(name, OutputBuffer()).get(rows, cols)

@@ -1,11 +1,12 @@
-"""The Python side of each C kernel: weight packing, the ops on packed weights and on the
-paged KV cache, and the buffers their outputs go to. Inputs are contiguous float32 CPU
-tensors; the docstrings give the shapes."""
+"""The Python side of each C kernel: weight packing (float32, bfloat16 or int8 panels), the
+ops on packed weights and on the paged KV cache, and the buffers their outputs go to.
+Inputs are contiguous float32 CPU tensors; the docstrings give the shapes."""
 
 from __future__ import annotations
 
 import ctypes
 import platform
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -30,6 +31,27 @@ def _madvise():
     return libc.madvise
 
 
+@lru_cache(maxsize=1)
+def _malloc_trim():
+    if platform.system() != "Linux":
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        return libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim). Packing frees each
+    float32 weight after copying it; weights of a few MiB live on the heap, whose freed pages
+    otherwise stay in the process's RSS (about 115 MiB for SmolLM2-135M)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def huge_pages(t: torch.Tensor) -> torch.Tensor:
     """Ask Linux for transparent huge pages under a large, not yet touched CPU tensor
     (returns t). Paged attention reads KV pages scattered over the pool and the GEMMs
@@ -43,48 +65,152 @@ def huge_pages(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N / NR), K, NR] panels (zero padded), the layout nk_linear reads."""
+FORMATS = {"float32": 0, "bfloat16": 1, "int8": 2}  # weight formats of the GEMMs (cpu.c's NK_F32, ...)
+QB = 32  # int8: activations are quantized in blocks of QB along K, weights' K is padded to it
+
+
+@dataclass(eq=False)
+class PackedWeight:
+    """W [n, k] packed once for the GEMM kernels, in panels of NR output columns (zero padded):
+    float32 data [panels, k, NR] (data[p, k, j] = W[p * NR + j, k]); bfloat16 the same with
+    each panel's columns in BF16_ORDER; int8 a byte tensor [panels, panel_bytes] (cpu.c:
+    blocks of 32 k, column sums, column scales)."""
+
+    data: torch.Tensor
+    n: int
+    k: int
+    format: str
+
+    @property
+    def code(self) -> int:
+        return FORMATS[self.format]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def unpack(self) -> torch.Tensor:
+        """The float32 [n, k] matrix the kernel multiplies by (int8: dequantized)."""
+        if self.format != "int8":
+            data = self.data if self.format == "float32" else self.data[:, :, _BF16_INVERSE]
+            return data.float().transpose(1, 2).reshape(-1, self.k)[:self.n]
+        q, scale = self.int8()
+        return q.float() * scale[:, None]
+
+    def int8(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int8 weights: (q int8 [n, k], scale float32 [n]), W ~ q * scale."""
+        assert self.format == "int8"
+        panels, kp = self.data.shape[0], -(-self.k // QB) * QB
+        blocks = self.data[:, :kp // QB * _Q8_BLOCK].view(panels, kp // QB, _Q8_BLOCK)
+        q = blocks[:, :, :QB * NR].reshape(panels, kp // QB, QB // 4, NR, 4).view(torch.int8)
+        q = q.permute(0, 3, 1, 2, 4).reshape(panels * NR, kp)[:self.n, :self.k]
+        scale = self.data[:, kp // QB * _Q8_BLOCK:].contiguous().view(torch.float32).reshape(-1)[:self.n]
+        return q, scale
+
+
+BF16_ORDER = [j // 2 + (j % 2) * 8 for j in range(NR)]  # 0, 8, 1, 9, ..: the columns of a bfloat16 panel row
+_BF16_INVERSE = [BF16_ORDER.index(j) for j in range(NR)]
+_Q8_BLOCK = QB * NR + NR * 4  # bytes per block of QB k in an int8 panel: weights, then 128 * column sums
+
+
+def int8_panel_bytes(k: int) -> int:
+    """Bytes of one int8 panel of k rows (cpu.c's nk_panel_bytes)."""
+    return -(-k // QB) * _Q8_BLOCK + NR * 4
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row (per output channel) int8: scale = max |w| / 127, q = round(w / scale)
+    in [-127, 127]; an all-zero row gets scale 0. [n, k] float -> (q int8 [n, k], scale [n])."""
+    w = weight.float()
+    scale = w.abs().amax(1) / 127
+    q = torch.where(scale[:, None] > 0, torch.round(w / torch.where(scale > 0, scale, 1)[:, None]), 0)
+    return q.clamp(-127, 127).to(torch.int8), scale
+
+
+def pack_weight(weight: torch.Tensor, format: str = "float32") -> PackedWeight:
+    """[N, K] float -> PackedWeight in `format` (FORMATS), the layout nk_linear reads."""
+    if format not in FORMATS:
+        raise ValueError(f"unknown weight format {format!r}; use one of {', '.join(FORMATS)}")
     n, k = weight.shape
     panels = -(-n // NR)
-    padded = torch.zeros(panels * NR, k, dtype=weight.dtype, device=weight.device)
-    padded[:n] = weight
-    out = huge_pages(torch.empty(panels, k, NR, dtype=weight.dtype, device=weight.device))
-    return out.copy_(padded.view(panels, NR, k).transpose(1, 2))
+    if format == "int8":
+        return PackedWeight(_pack_int8(weight, panels), n, k, format)
+    dtype = torch.float32 if format == "float32" else torch.bfloat16
+    padded = torch.zeros(panels * NR, k, dtype=dtype, device=weight.device)
+    padded[:n] = weight  # bfloat16: rounded to nearest even
+    if format == "bfloat16":
+        padded = padded.view(panels, NR, k)[:, BF16_ORDER].reshape(panels * NR, k)
+    out = huge_pages(torch.empty(panels, k, NR, dtype=dtype, device=weight.device))
+    return PackedWeight(out.copy_(padded.view(panels, NR, k).transpose(1, 2)), n, k, format)
 
 
-def pack_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gate, up [I, K] -> [ceil(I / 8), K, 16]: panel p holds gate rows 8p.. in lanes 0-7
-    and up rows 8p.. in lanes 8-15 (zero padded), the layout nk_linear_silu_mul reads. A
-    bias [I] each packs the same way as a [*, 1] weight: pack_gate_up(g[:, None], u[:, None])."""
+def _pack_int8(weight: torch.Tensor, panels: int) -> torch.Tensor:
+    n, k = weight.shape
+    kp, nb = -(-k // QB) * QB, -(-k // QB)
+    q, scale = quantize_int8(weight)
+    qp = torch.zeros(panels * NR, kp, dtype=torch.int8)
+    qp[:n, :k] = q
+    sp = torch.zeros(panels * NR)
+    sp[:n] = scale
+    out = huge_pages(torch.empty(panels, int8_panel_bytes(k), dtype=torch.uint8))
+    blocks = out[:, :nb * _Q8_BLOCK].view(panels, nb, _Q8_BLOCK)
+    quads = qp.view(panels, NR, nb, QB // 4, 4).permute(0, 2, 3, 1, 4)  # [panel, block, quad, column, 4]
+    blocks[:, :, :QB * NR] = quads.reshape(panels, nb, QB * NR).view(torch.uint8)
+    sums = qp.view(panels, NR, nb, QB).sum(-1, dtype=torch.int32).permute(0, 2, 1) * 128  # [panel, block, column]
+    blocks[:, :, QB * NR:] = sums.contiguous().view(torch.uint8).view(panels, nb, NR * 4)
+    out[:, nb * _Q8_BLOCK:] = sp.view(panels, NR).view(torch.uint8)
+    return out
+
+
+def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [I, K] -> [ceil(I / 8) * 16, K]: rows 16p.. are gate rows 8p..8p+7, then the
+    same up rows (zero padded), so that panel p of its packing holds gate in lanes 0-7 and up
+    in lanes 8-15. A bias [I] each interleaves as a [*, 1] weight: interleave_gate_up(g[:, None], u[:, None])."""
     i, k = gate.shape
     panels = -(-i // 8)
     both = torch.zeros(2, panels * 8, k, dtype=gate.dtype, device=gate.device)
     both[0, :i], both[1, :i] = gate, up
-    out = huge_pages(torch.empty(panels, k, 2 * 8, dtype=gate.dtype, device=gate.device))
-    return out.copy_(both.view(2, panels, 8, k).permute(1, 3, 0, 2).reshape(panels, k, 2 * 8))
+    return both.view(2, panels, 8, k).transpose(0, 1).reshape(panels * 16, k)
 
 
-def linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, i: int, bias: torch.Tensor | None = None,
+def pack_gate_up(gate: torch.Tensor, up: torch.Tensor, format: str = "float32") -> PackedWeight:
+    """gate, up [I, K] -> a PackedWeight of I outputs (silu(gate) * up) in the layout
+    nk_linear_silu_mul reads; its bias: interleave_gate_up(bg[:, None], bu[:, None]).flatten()."""
+    packed = pack_weight(interleave_gate_up(gate, up), format)
+    return PackedWeight(packed.data, gate.shape[0], packed.k, format)
+
+
+def linear_silu_mul(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(x Wg^T + bg) * (x Wu^T + bu) -> [M, i] for x [M, K]; packed = pack_gate_up(Wg, Wu),
-    bias = pack_gate_up(bg[:, None], bu[:, None])."""
+    """silu(x Wg^T + bg) * (x Wu^T + bu) -> [M, I] for x [M, K]; packed = pack_gate_up(Wg, Wu),
+    bias = interleave_gate_up(bg[:, None], bu[:, None]).flatten()."""
     m, k = x.shape
+    assert k == packed.k, (k, packed.k)
     if out is None:
-        out = torch.empty(m, i, dtype=x.dtype)
-    lib().nk_linear_silu_mul(x.data_ptr(), m, k, packed.data_ptr(), i, ptr(bias), out.data_ptr())
+        out = torch.empty(m, packed.n, dtype=x.dtype)
+    lib().nk_linear_silu_mul(x.data_ptr(), m, k, packed.data.data_ptr(), packed.code, packed.n, ptr(bias),
+                             out.data_ptr())
     return out
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (float32, contiguous) @ W^T (+ bias) -> [M, n] (into out, contiguous, when
-    given), W given as pack_weight(W)."""
+    given), W given as pack_weight(W, format)."""
     m, k = x.shape
+    assert k == packed.k, (k, packed.k)
     if out is None:
-        out = torch.empty(m, n, dtype=x.dtype)
-    lib().nk_linear(x.data_ptr(), m, k, packed.data_ptr(), n,
-                    None if bias is None else bias.data_ptr(), out.data_ptr())
+        out = torch.empty(m, packed.n, dtype=x.dtype)
+    lib().nk_linear(x.data_ptr(), m, k, packed.data.data_ptr(), packed.code, packed.n, ptr(bias), out.data_ptr())
+    return out
+
+
+def embed(ids: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """Rows ids (int64 [T], each < packed.n) of the packed matrix, as the GEMM multiplies by
+    them -> [T, k] float32 (packed.unpack()[ids], without unpacking the rest)."""
+    ids = ids.contiguous()
+    out = torch.empty(ids.numel(), packed.k)
+    lib().nk_embed(ids.data_ptr(), ids.numel(), packed.data.data_ptr(), packed.code, packed.k, out.data_ptr())
     return out
 
 

@@ -9,6 +9,7 @@ implementation `forward` is bound to from then on. No layer tests a flag per cal
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ from torch import nn
 from nanokv import kernels
 from nanokv.layers.activation import SILU_NAMES, check_activation
 
+logger = logging.getLogger("nanokv")
+
 
 @dataclass(frozen=True)
 class KernelChoice:
@@ -26,6 +29,8 @@ class KernelChoice:
     cpu: bool  # every CustomOp runs forward_cpu (the C kernels); else forward_native (torch)
     fused_layers: bool  # the decoder layers run as one C call each (kernels/fused_layers.py)
     attention_backend: str  # the config's; "torch" in place of "cpu" when the kernels did not build
+    weights: str = "float32"  # how the projections' weights are packed (kernels.FORMATS)
+    lm_head: str = "float32"  # and the LM head's
 
     def apply(self, model: nn.Module) -> None:
         """Switch a freshly loaded model over (nothing to do for torch)."""
@@ -35,18 +40,29 @@ class KernelChoice:
         for m in reversed(list(model.modules())):
             if isinstance(m, CustomOp):
                 m.use_cpu_kernels(self)
+        kernels.release_free_memory()  # the unpacked weights' pages
 
 
 def choose_kernels(dtype: torch.dtype, device: torch.device, attention_backend: str, hf_config,
-                   tp_size: int) -> KernelChoice:
-    """The C kernels for float32 on the CPU, when they build (the first call here compiles
-    them; EngineConfig only checked that they could). The decoder layers fuse into one C
-    call each for one rank, SiLU (the activation the C layer applies) and the cpu
-    attention backend (whose metadata the C layer reads)."""
+                   tp_size: int, weights: str | None = None, lm_head: str | None = None) -> KernelChoice:
+    """The C kernels for float32 activations on the CPU, when they build (the first call here
+    compiles them; EngineConfig only checked that they could), with the projection and LM
+    head weights packed as `weights` / `lm_head` (EngineConfig.weight_format /
+    lm_head_format; None: float32). The decoder layers fuse into one C call each for one
+    rank, SiLU (the activation the C layer applies) and the cpu attention backend (whose
+    metadata the C layer reads). Kernels that do not build: int8 weights are refused,
+    bfloat16 ones run on the torch path in float32 (warned)."""
     cpu = dtype == torch.float32 and device.type == "cpu" and kernels.available()
+    if not cpu and weights == "int8":
+        raise ValueError("quantization='int8' runs on the CPU kernels, which did not build here (see the "
+                         "warning above); drop quantization to run the float32 weights")
+    if not cpu and weights == "bfloat16":
+        logger.warning("bfloat16 weights need the CPU kernels, which did not build: running float32 weights")
     backend = "torch" if attention_backend == "cpu" and not cpu else attention_backend  # available() warned
     fused = cpu and tp_size == 1 and backend == "cpu" and check_activation(hf_config) in SILU_NAMES
-    return KernelChoice(cpu, fused, backend)
+    if not cpu:
+        return KernelChoice(False, False, backend)
+    return KernelChoice(cpu, fused, backend, weights or "float32", lm_head or "float32")
 
 
 class CustomOp(nn.Module):

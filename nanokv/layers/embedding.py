@@ -3,12 +3,15 @@ rows (the LM head may share the embedding's)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanokv.distributed import TP
 from nanokv import kernels
+from nanokv.layers.custom_op import CustomOp
 from nanokv.layers.linear import _Matmul, _check_shape
 
 
@@ -25,18 +28,39 @@ def vocab_parallel_param(vocab_size: int, dim: int, tp: TP) -> tuple[nn.Paramete
     return param, start
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(CustomOp):
+    """Token embeddings. On the CPU kernels, a tied one reads its rows from the LM head's
+    packed copy (read_packed_rows), so the matrix is stored once (in the head's format)."""
+
+    packed: kernels.PackedWeight | None = None  # the tied LM head's packed matrix, in place of weight
+
     def __init__(self, vocab_size: int, dim: int, tp: TP):
         super().__init__()
         self.tp = tp
         self.weight, self.start = vocab_parallel_param(vocab_size, dim, tp)
+        self.rows = self.weight.shape[0]
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, dim]
+    def forward_native(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, dim]
+        return self._vocab_parallel(ids, lambda local: F.embedding(local, self.weight))
+
+    def forward_cpu(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._vocab_parallel(ids, lambda local: kernels.embed(local, self.packed))
+
+    def prepare_cpu(self, choice):
+        # the tied LM head, prepared first, handed over its packed matrix
+        return self.forward_cpu if self.packed is not None else self.forward_native
+
+    def read_packed_rows(self, packed: kernels.PackedWeight) -> None:
+        """Look rows up in `packed` (this rank's vocabulary rows) and drop the weight."""
+        assert packed.n == self.rows
+        self.packed, self.weight = packed, None
+
+    def _vocab_parallel(self, ids: torch.Tensor, lookup) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return lookup(ids)
         local = ids - self.start
-        mine = (local >= 0) & (local < self.weight.shape[0])
-        x = F.embedding(torch.where(mine, local, torch.zeros_like(local)), self.weight)
+        mine = (local >= 0) & (local < self.rows)
+        x = lookup(torch.where(mine, local, torch.zeros_like(local)))
         return self.tp.all_reduce(x * mine[:, None].to(x.dtype))
 
 
@@ -45,6 +69,7 @@ class LMHead(_Matmul):
 
     def __init__(self, vocab_size: int, dim: int, tp: TP, tied_to: VocabParallelEmbedding | None = None):
         super().__init__()
+        object.__setattr__(self, "tied_to", tied_to)  # a reference, not a submodule: it has its own place
         self.tied = tied_to is not None
         if self.tied:
             self.weight = tied_to.weight  # the same Parameter: loaded once, stored once
@@ -52,12 +77,11 @@ class LMHead(_Matmul):
             self.weight, _ = vocab_parallel_param(vocab_size, dim, tp)
 
     def prepare_cpu(self, choice):
-        if not self.tied:
-            return super().prepare_cpu(choice)
-        # the embedding still needs its rows: the packed panels are a second copy
-        self.packed = kernels.pack_weight(self.weight.data)
-        self.out_features = self.weight.shape[0]
-        return self.forward_cpu
+        """Packed in the LM head's own format (choice.lm_head: float32, bfloat16 or int8)."""
+        forward = super().prepare_cpu(dataclasses.replace(choice, weights=choice.lm_head))
+        if self.tied:  # one copy: the embedding looks its rows up in the packed panels
+            self.tied_to.read_packed_rows(self.packed)
+        return forward
 
     def forward_native(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab / tp] fp32
         return F.linear(hidden, self.weight).float()

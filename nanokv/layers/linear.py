@@ -33,14 +33,14 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class _Matmul(CustomOp):
-    """x W^T: torch's GEMM (forward_native), or the CPU GEMM kernel on W packed once
-    (forward_cpu)."""
+    """x W^T: torch's GEMM (forward_native), or the CPU GEMM kernel on W packed once, in the
+    format the kernel choice gives (float32, bfloat16 or int8: forward_cpu)."""
 
-    packed: torch.Tensor | None = None  # kernels.pack_weight(W): W's only copy once packed
+    packed: kernels.PackedWeight | None = None  # kernels.pack_weight(W): W's only copy once packed
     output_buffer: kernels.OutputBuffer | None = None  # where the kernel writes, when it may be reused
 
     def prepare_cpu(self, choice):
-        self.packed = kernels.pack_weight(self.weight.data)
+        self.packed = kernels.pack_weight(self.weight.data, choice.weights)
         self.out_features = self.weight.shape[0]
         self.weight = None  # one copy of the weights, not two
         return self.forward_cpu
@@ -48,7 +48,7 @@ class _Matmul(CustomOp):
     def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> [..., out_features] through the kernel."""
         flat, out = self._kernel_io(x)
-        return kernels.linear(flat, self.packed, self.out_features, bias, out).view(*x.shape[:-1], self.out_features)
+        return kernels.linear(flat, self.packed, bias, out).view(*x.shape[:-1], self.out_features)
 
     def _kernel_io(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x as contiguous [M, K], and where the kernel writes its [M, out_features]."""
@@ -114,10 +114,10 @@ class GateUpLinear(PackedLinear):
             return super().prepare_cpu(choice)
         i = self.output_sizes[0]
         w = self.weight.data
-        self.packed = kernels.pack_gate_up(w[:i], w[i:])
+        self.packed = kernels.pack_gate_up(w[:i], w[i:], choice.weights)
         if self.bias is not None:
             b = self.bias.data
-            self.packed_bias = kernels.pack_gate_up(b[:i, None], b[i:, None])
+            self.packed_bias = kernels.interleave_gate_up(b[:i, None], b[i:, None]).flatten()
         self.out_features = i
         self.weight = None
         return self._no_plain_product
@@ -128,7 +128,7 @@ class GateUpLinear(PackedLinear):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, I]
         flat, out = self._kernel_io(x)
         bias = self.packed_bias if self.bias is not None else None
-        return kernels.linear_silu_mul(flat, self.packed, self.out_features, bias, out)
+        return kernels.linear_silu_mul(flat, self.packed, bias, out)
 
 
 class RowParallelLinear(_Matmul):

@@ -45,7 +45,8 @@ class ModelRunner:
         self.model = build_model(get_model_class(config.architecture), hf, config.model,
                                  config.dtype, self.device, config.max_model_len, tp)
         # the C kernels or torch, for every layer at once (compiles them on first use)
-        self.kernels = choose_kernels(config.dtype, self.device, config.attention_backend, hf, tp.size)
+        self.kernels = choose_kernels(config.dtype, self.device, config.attention_backend, hf, tp.size,
+                                      config.weight_format, config.lm_head_format)
         self.kernels.apply(self.model)
         self.block_size = config.block_size
         self.backend = get_backend(self.kernels.attention_backend)

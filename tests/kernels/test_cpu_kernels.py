@@ -22,26 +22,129 @@ def _rms(x, w, eps):
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-@pytest.mark.parametrize("m", [1, 5, 6, 7, 64, 193, 400])
-@pytest.mark.parametrize("k,n", [(384, 1024), (40, 1000), (1152, 384), (24, 17)])
-def test_linear_matches_torch(m, k, n):
-    g = torch.Generator().manual_seed(m * 1000 + n)
-    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
-    packed = kernels.pack_weight(w)
-    assert packed.shape == (-(-n // kernels.NR), k, kernels.NR)
-    torch.testing.assert_close(kernels.linear(x, packed, n), x @ w.t(), rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(kernels.linear(x, packed, n, b), torch.addmm(b, x, w.t()), rtol=1e-5, atol=1e-4)
+@pytest.fixture(params=kernels.build.WIDTHS, ids=lambda w: f"width{w}")
+def width(request, monkeypatch):
+    """Both vector widths, whatever the CPU (a 16-wide build runs as pairs of 8-wide
+    instructions without AVX-512): the ops call the library NANOKV_CPU_WIDTH names."""
+    monkeypatch.setenv("NANOKV_CPU_WIDTH", str(request.param))
+    assert kernels.ffi.lib().nk_width() == request.param
+    return request.param
 
 
-def test_linear_rows_do_not_depend_on_the_batch():
+def _int8_reference(x, packed, bias=None):
+    """The int8 GEMM's arithmetic in torch: each row quantized in blocks of 32 (scale = max |x|
+    / 127, q = round(x * (127 / max |x|))), exact integer block sums, then sum over blocks of
+    block scale * sum, times the column scale (float64: the C kernel's float32 rounding is
+    within the tolerance)."""
+    q, scale = packed.int8()
+    m, k = x.shape
+    kp = -(-k // 32) * 32
+    xp = torch.zeros(m, kp)
+    xp[:, :k] = x
+    blocks = xp.view(m, kp // 32, 32)
+    amax = blocks.abs().amax(-1)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    qx = torch.round(blocks * inv[..., None]).clamp(-127, 127).double()  # [m, blocks, 32]
+    qw = torch.zeros(q.shape[0], kp, dtype=torch.float64)
+    qw[:, :k] = q.double()
+    sums = torch.einsum("mbi,nbi->mbn", qx, qw.view(-1, kp // 32, 32))  # exact integers
+    out = (sums * (amax / 127).double()[..., None]).sum(1) * scale.double()
+    return (out if bias is None else out + bias.double()).float()
+
+
+def _reference(x, packed, bias=None):
+    if packed.format == "int8":
+        return _int8_reference(x, packed, bias)
+    w = packed.unpack()  # the float32 weights, or the bfloat16-rounded ones
+    return x @ w.t() if bias is None else torch.addmm(bias, x, w.t())
+
+
+FORMATS = list(kernels.FORMATS)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("k,n", [(384, 1024), (40, 1000), (1152, 384), (24, 17), (100, 33)])
+def test_linear_matches_torch(width, format, k, n):
+    """Every row count of decode steps (1-64) and two prefill sizes, odd shapes, with and
+    without bias, against torch on the weights the kernel holds (bfloat16-rounded,
+    int8-dequantized with the activations quantized the kernel's way)."""
+    g = torch.Generator().manual_seed(k * 1000 + n)
+    x, w, b = torch.randn(400, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    packed = kernels.pack_weight(w, format)
+    assert packed.data.shape[0] == -(-n // kernels.NR) and packed.n == n
+    assert packed.nbytes == packed.data.shape[0] * kernels.ffi.lib().nk_panel_bytes(packed.code, k)
+    for m in list(range(1, 65)) + [193, 400]:
+        xm = x[:m].contiguous()
+        torch.testing.assert_close(kernels.linear(xm, packed), _reference(xm, packed), rtol=1e-5, atol=1e-4)
+        if m in (1, 7, 64, 400):
+            torch.testing.assert_close(kernels.linear(xm, packed, b), _reference(xm, packed, b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_weight_formats_stay_close_to_float32(format):
+    """Round-trip bounds: bfloat16 rounds each weight to 8 significant bits (relative error at
+    most 2^-8); int8 to within half a step of its row's scale; products stay close."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(300, 200, generator=g) * torch.rand(300, 1, generator=g) * 4
+    w[7] = 0  # an all-zero row: scale 0, no NaN
+    back = kernels.pack_weight(w, format).unpack()
+    if format == "float32":
+        assert torch.equal(back, w)
+    elif format == "bfloat16":
+        assert ((back - w).abs() <= w.abs() * 2 ** -8).all()
+        assert torch.equal(back, w.to(torch.bfloat16).float())
+    else:
+        q, scale = kernels.pack_weight(w, format).int8()
+        assert torch.equal(scale, w.abs().amax(1) / 127) and scale[7] == 0 and (q[7] == 0).all()
+        assert (q.abs() <= 127).all() and (q.abs().amax(1)[scale > 0] == 127).all()
+        assert ((back - w).abs() <= scale[:, None] / 2 * (1 + 1e-5)).all()
+    x = torch.randn(16, 200, generator=g)
+    exact = x @ w.t()
+    err = (kernels.linear(x, kernels.pack_weight(w, format)) - exact).norm() / exact.norm()
+    assert err < {"float32": 1e-6, "bfloat16": 4e-3, "int8": 2e-2}[format], float(err)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_embedding_rows_from_the_packed_matrix(width, format):
+    """A tied embedding reads its rows from the LM head's panels: exactly the rows the GEMM
+    multiplies by (bfloat16-rounded, int8 dequantized), any id, odd widths."""
+    g = torch.Generator().manual_seed(9)
+    for n, k in ((1000, 64), (37, 40), (16, 200)):
+        packed = kernels.pack_weight(torch.randn(n, k, generator=g), format)
+        ids = torch.cat([torch.tensor([0, n - 1, 15, 16 % n]), torch.randint(0, n, (300,), generator=g)])
+        assert torch.equal(kernels.embed(ids, packed), packed.unpack()[ids])
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_linear_rows_do_not_depend_on_the_batch(width, format):
     """A row's result is bit-identical alone or in any batch (fixed summation order)."""
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(37, 200, generator=g), torch.randn(300, 200, generator=g)
-    packed = kernels.pack_weight(w)
-    full = kernels.linear(x, packed, 300)
+    packed = kernels.pack_weight(w, format)
+    full = kernels.linear(x, packed)
     for i in (0, 5, 36):
-        assert torch.equal(kernels.linear(x[i:i + 1].contiguous(), packed, 300)[0], full[i])
-    assert torch.equal(kernels.linear(x[10:23].contiguous(), packed, 300), full[10:23])
+        assert torch.equal(kernels.linear(x[i:i + 1].contiguous(), packed)[0], full[i])
+    assert torch.equal(kernels.linear(x[10:23].contiguous(), packed), full[10:23])
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_gemms_are_bit_identical_across_widths_and_instruction_sets(format, monkeypatch):
+    """Output columns sit in vector lanes and K is summed in order, so the width changes no
+    GEMM result; int8 block sums are exact integers, so its plain-C path (what a machine
+    without AVX2 or VNNI runs) gives the intrinsics' results bit for bit, and so does the
+    VNNI paths' arithmetic (activations stored + 128, the packed column sums taken off)."""
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(70, 136, generator=g), torch.randn(75, 136, generator=g)
+    packed, gate_up = kernels.pack_weight(w, format), kernels.pack_gate_up(w[:40], w[35:], format)
+    results = []
+    libs = [kernels.ffi.load(8), kernels.ffi.load(16), kernels.ffi.load(None, portable=True),
+            kernels.ffi.load(None, portable="offset")]
+    assert libs[3].nk_int8_isa() == b"generic-offset"
+    for lib in libs:
+        monkeypatch.setattr(kernels.ops, "lib", lambda lib=lib: lib)
+        results.append((kernels.linear(x, packed), kernels.linear_silu_mul(x, gate_up)))
+    for plain, glu in results[1:]:
+        assert torch.equal(plain, results[0][0]) and torch.equal(glu, results[0][1])
 
 
 def _meta(q_lens, ctx_lens, block_size, num_blocks, gen):
@@ -67,7 +170,7 @@ def _meta(q_lens, ctx_lens, block_size, num_blocks, gen):
 
 @pytest.mark.parametrize("hq,hkv,d", [(8, 4, 64), (4, 1, 32), (6, 6, 16), (16, 2, 128), (2, 2, 8), (8, 1, 24), (3, 1, 40), (4, 2, 256), (2, 1, 512)])
 @pytest.mark.parametrize("block_size", [16, 5, 1])
-def test_paged_attention_matches_torch_reference(hq, hkv, d, block_size):
+def test_paged_attention_matches_torch_reference(width, hq, hkv, d, block_size):
     """Decodes, whole prompts and chunks after a cached prefix in one step, against the
     pure-torch backend (gather + SDPA) on the same paged cache."""
     gen = torch.Generator().manual_seed(hq * 100 + d + block_size)
@@ -89,7 +192,7 @@ def test_paged_attention_matches_torch_reference(hq, hkv, d, block_size):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-6)
 
 
-def test_paged_attention_few_queries_split_heads():
+def test_paged_attention_few_queries_split_heads(width):
     """One long decode (heads split across threads) equals plain softmax attention."""
     gen = torch.Generator().manual_seed(1)
     bs, L, hq, hkv, d = 16, 1000, 8, 2, 64
@@ -105,8 +208,8 @@ def test_paged_attention_few_queries_split_heads():
     torch.testing.assert_close(out[0], torch.einsum("hl,lhd->hd", p, vals), rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("m,h", [(1, 384), (37, 384), (5000, 100), (3, 13)])
-def test_rmsnorm_and_fused_residual(m, h):
+@pytest.mark.parametrize("m,h", [(1, 384), (37, 384), (5000, 100), (3, 13), (2, 24)])
+def test_rmsnorm_and_fused_residual(width, m, h):
     gen = torch.Generator().manual_seed(m + h)
     x, r, w = torch.randn(m, h, generator=gen), torch.randn(m, h, generator=gen), torch.randn(h, generator=gen)
     torch.testing.assert_close(kernels.rmsnorm(x, w, 1e-6), _rms(x, w, 1e-6), rtol=1e-5, atol=1e-5)
@@ -117,7 +220,7 @@ def test_rmsnorm_and_fused_residual(m, h):
 
 
 @pytest.mark.parametrize("with_norm", [True, False])
-def test_qk_norm_rope(with_norm):
+def test_qk_norm_rope(width, with_norm):
     gen = torch.Generator().manual_seed(2)
     t, hq, hkv, d = 29, 8, 2, 64
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen)
@@ -142,18 +245,22 @@ def test_qk_norm_rope(with_norm):
 
 @pytest.mark.parametrize("m,k,i", [(3, 384, 1152), (300, 64, 64), (7, 40, 13), (1, 8, 1)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gate_up_gemm_with_silu_epilogue(m, k, i, with_bias):
+@pytest.mark.parametrize("format", FORMATS)
+def test_gate_up_gemm_with_silu_epilogue(width, format, m, k, i, with_bias):
     gen = torch.Generator().manual_seed(m * 7 + i)
     x = torch.randn(m, k, generator=gen) / k ** 0.5
     x[0] *= 300  # gates far past exp's clamps, both signs
     gate, up = torch.randn(i, k, generator=gen), torch.randn(i, k, generator=gen)
     bg, bu = torch.randn(i, generator=gen), torch.randn(i, generator=gen)
-    g, u = x @ gate.t(), x @ up.t()
+    packed = kernels.pack_gate_up(gate, up, format)
+    both = _reference(x, kernels.PackedWeight(packed.data, -(-i // 8) * 16, k, format))  # gate|up interleaved
+    g = both.view(m, -1, 2, 8)[:, :, 0].reshape(m, -1)[:, :i]
+    u = both.view(m, -1, 2, 8)[:, :, 1].reshape(m, -1)[:, :i]
     if with_bias:
         g, u = g + bg, u + bu
     ref = F.silu(g) * u
-    bias = kernels.pack_gate_up(bg[:, None], bu[:, None]) if with_bias else None
-    got = kernels.linear_silu_mul(x, kernels.pack_gate_up(gate, up), i, bias)
+    bias = kernels.interleave_gate_up(bg[:, None], bu[:, None]).flatten() if with_bias else None
+    got = kernels.linear_silu_mul(x, packed, bias)
     torch.testing.assert_close(got[1:], ref[1:], rtol=1e-5, atol=1e-5)
     # row 0 sums terms in the hundreds: compare relative to its scale
     torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-5 * float(ref[0].abs().max()) + 1e-30)

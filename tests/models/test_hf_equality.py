@@ -44,23 +44,27 @@ def assert_same(outputs, expected, prompts):
         assert got.finish_reason == reason, f"prompt {i}"
 
 
-@pytest.fixture(params=["cpu-kernels", "torch"])
+@pytest.fixture(params=["cpu-kernels", "cpu-kernels-other-width", "torch"])
 def cpu_path(request, monkeypatch):
-    """Both CPU paths: the C kernels (the default when they build) and pure torch."""
+    """Both CPU paths: the C kernels (the default when they build; also built at the vector
+    width this CPU does not pick, 8 or 16 floats) and pure torch."""
     from nanokv import kernels
 
     if request.param == "torch":
         monkeypatch.setenv("NANOKV_CPU_KERNELS", "0")
     elif not kernels.available():
         pytest.skip("no C compiler: CPU kernels not built")
+    elif request.param == "cpu-kernels-other-width":
+        monkeypatch.setenv("NANOKV_CPU_WIDTH", "8" if kernels.ffi.lib().nk_width() == 16 else "16")
     return request.param
 
 
 def assert_path(llm, path):
     model = llm.llm_engine.runner.model
-    assert llm.llm_engine.config.attention_backend == ("cpu" if path == "cpu-kernels" else "torch")
-    assert (model.lm_head.packed is not None) == (path == "cpu-kernels")
-    assert (model.model.fused_layers is not None) == (path == "cpu-kernels")  # one C call per decoder layer
+    kernels = path.startswith("cpu-kernels")
+    assert llm.llm_engine.config.attention_backend == ("cpu" if kernels else "torch")
+    assert (model.lm_head.packed is not None) == kernels
+    assert (model.model.fused_layers is not None) == kernels  # one C call per decoder layer
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from nanokv import LLM, SamplingParams
+from nanokv import LLM, SamplingParams, kernels
 from nanokv import gguf as nk_gguf
 from nanokv.llm import render_chat
 
@@ -193,3 +193,24 @@ def test_eos_stops_at_im_end(smollm2_dir):
     (more,) = llm.chat(conv, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert more.outputs[0].finish_reason == "length" and len(more.outputs[0].token_ids) == 12
     assert more.outputs[0].token_ids[:len(got.token_ids)] == got.token_ids  # it went on past EOS
+
+
+@pytest.mark.parametrize("kwargs, prefix", [(dict(dtype="bfloat16"), 0.95), (dict(quantization="int8"), 0.5),
+                                            (dict(quantization="int8", quantize_lm_head=True), 0.5)],
+                         ids=["bfloat16", "int8", "int8-head"])
+def test_bfloat16_and_int8_weights_stay_close_to_float32(smollm2_dir, prompts, reference, kwargs, prefix):
+    """The 8 chat prompts x 48 tokens against float32 (= transformers): on average at least
+    `prefix` of each answer comes before the first differing token, and the first answer is
+    the same in every format."""
+    if not kernels.available():
+        pytest.skip("no C compiler: CPU kernels not built")
+    llm = LLM(smollm2_dir, max_model_len=1024, **kwargs)
+    outs = greedy(llm, prompts)
+    shares = []
+    for out, (tokens, _) in zip(outs, reference):
+        got = out.outputs[0].token_ids
+        first = next((i for i, (a, b) in enumerate(zip(got, tokens)) if a != b), min(len(got), len(tokens)))
+        shares.append(1.0 if got == tokens else first / len(tokens))
+    print("PREFIX", kwargs, shares)
+    assert outs[0].outputs[0].text == "The capital of France is Paris."
+    assert sum(shares) / len(shares) >= prefix, shares
