@@ -37,6 +37,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._freed: list[int] = []  # seq ids freed since the last batch that ran
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -68,6 +69,8 @@ class Scheduler:
 
         if not preempted:
             budget = self._admit_waiting(batch, budget)
+        if batch.seqs:  # an empty batch does not reach the runner: keep them for the next
+            batch.freed_seq_ids, self._freed = self._freed, []
         return batch
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
@@ -118,6 +121,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        self._freed.append(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -164,6 +168,7 @@ class Scheduler:
     def _finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
         self.block_manager.free(seq)
+        self._freed.append(seq.seq_id)
 
     def kv_stats(self) -> KVStats:
         bm = self.block_manager

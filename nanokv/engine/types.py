@@ -52,11 +52,15 @@ class ScheduledBatch:
     """Everything the runner needs for one forward pass.
 
     The scheduler lists running decodes before prefill chunks, but the runner must not
-    rely on any order: it groups sequences by query length itself.
+    rely on any order: it groups sequences by query length itself. freed_seq_ids: the
+    sequences that finished, were aborted or were preempted since the last batch that had
+    sequences: the runner drops what it keeps for them before it reads this batch (a
+    preempted sequence may be back in it, from the start).
     """
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
     num_tokens: int = 0
+    freed_seq_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
