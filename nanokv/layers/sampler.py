@@ -91,6 +91,9 @@ class Sampler:
     """Samples one token per row. The logits are overwritten where min_tokens masks or
     penalties apply."""
 
+    def __init__(self):
+        self._scratch = torch.empty(0)  # CPU chunk buffers, kept: fresh memory page-faults
+
     def __call__(self, logits: torch.Tensor, t: SamplingTensors,
                  generator: torch.Generator | None = None) -> SamplerOutput:
         logits = logits.float()  # [N, V]
@@ -119,15 +122,23 @@ class Sampler:
         keys = dict(t.seeded or ())
         if len(sampled) == len(temps):
             settings = RowSettings.build(t, None, logits.shape[1])
-            return sample_rows(logits, None, settings, [keys.get(i) for i in sampled], generator)
+            return sample_rows(logits, None, settings, [keys.get(i) for i in sampled], generator, self._buffers)
         dev = logits.device
         tokens = torch.empty(len(temps), dtype=torch.long, device=dev)
         greedy = torch.tensor([i for i, x in enumerate(temps) if x <= 0], dtype=torch.long, device=dev)
         tokens[greedy] = logits[greedy].argmax(dim=-1)
         rows = torch.tensor(sampled, dtype=torch.long, device=dev)
         settings = RowSettings.build(t, rows, logits.shape[1])
-        tokens[rows] = sample_rows(logits, rows, settings, [keys.get(i) for i in sampled], generator)
+        tokens[rows] = sample_rows(logits, rows, settings, [keys.get(i) for i in sampled], generator,
+                                   self._buffers)
         return tokens
+
+    def _buffers(self, rows: int, vocab: int) -> torch.Tensor:
+        """[2, rows, vocab] float32 on the CPU, the same memory from step to step."""
+        if self._scratch.numel() < 2 * rows * vocab:
+            with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+                self._scratch = torch.empty(2 * rows * vocab)
+        return self._scratch[:2 * rows * vocab].view(2, rows, vocab)
 
 
 class RowSettings(NamedTuple):
@@ -160,15 +171,16 @@ class RowSettings(NamedTuple):
 
 
 def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings,
-                keys: list[int | None], generator: torch.Generator | None) -> torch.Tensor:
+                keys: list[int | None], generator: torch.Generator | None, buffers=None) -> torch.Tensor:
     """One token for each of the n sampled rows (rows of logits, None: all), [n] int64.
-    keys: each row's seeded key (seed_for_token), None for the generator's draws."""
+    keys: each row's seeded key (seed_for_token), None for the generator's draws.
+    buffers(rows, vocab): [2, rows, vocab] CPU scratch (None: allocated here)."""
     n, vocab = len(keys), logits.shape[1]
     u = uniforms(keys, 0, generator, logits.device)
     cpu = logits.device.type == "cpu"
     step = max(1, _CHUNK_BYTES // (4 * vocab)) if cpu else n
     # CPU: chunks reuse two buffers (fresh memory costs a page fault per 4 KiB)
-    gathered, weights = (torch.empty(2, min(step, n), vocab) if cpu else (None, None))
+    gathered, weights = ((buffers or _fresh)(min(step, n), vocab) if cpu else (None, None))
     out = []
     for start in range(0, n, step):
         part = slice(start, min(n, start + step))
@@ -183,6 +195,10 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings,
     return torch.cat(out)
 
 
+def _fresh(rows: int, vocab: int) -> torch.Tensor:
+    return torch.empty(2, rows, vocab)
+
+
 def _sample_chunk(src: torch.Tensor, s: RowSettings, u: torch.Tensor, keys: list[int | None],
                   generator, out: torch.Tensor | None) -> torch.Tensor:
     vocab = src.shape[1]
@@ -193,7 +209,7 @@ def _sample_chunk(src: torch.Tensor, s: RowSettings, u: torch.Tensor, keys: list
     w = torch.where(torch.arange(w.shape[1], device=w.device) < s.k[:, None], w, 0)
     cum = w.cumsum(dim=1)
     cand = cum.gather(1, (s.k - 1)[:, None]).squeeze(1)  # the weight of the row's candidates
-    z = None
+    e = z = None
     z_top = cand  # what top-p is a fraction of: the top-k set, or the whole vocabulary
     if any(s.off_list):
         e = torch.sub(src, m, out=out).mul_(scale).exp_()  # [c, V] every token's weight
@@ -211,13 +227,13 @@ def _sample_chunk(src: torch.Tensor, s: RowSettings, u: torch.Tensor, keys: list
     limit = torch.where(inside, kept, cand)
     target = u * torch.where(inside, kept, z_top)
     tokens = _locate(cum, ids, torch.minimum(target, torch.nextafter(limit, torch.zeros_like(limit))))
-    past = (target >= limit).nonzero().squeeze(1).tolist()  # only rows with top_k off
+    past = (~inside & (target >= limit)).nonzero().squeeze(1).tolist()  # rows with top_k off
     if past:
         p = torch.tensor(past, dtype=torch.long, device=src.device)
         tokens[p] = _sample_past_candidates(
-            e if len(past) == len(keys) else e[p], w[p, :CANDIDATES], cum[p, :CANDIDATES], ids[p, :CANDIDATES], (target - cand)[p], z[p],
-            None if s.top_p is None else s.top_p[p], None if s.min_p is None else s.min_p[p],
-            [keys[i] for i in past], generator)
+            e if len(past) == len(keys) else e[p], w[p, :CANDIDATES], cum[p, :CANDIDATES],
+            ids[p, :CANDIDATES], (target - cand)[p], z[p], None if s.top_p is None else s.top_p[p],
+            None if s.min_p is None else s.min_p[p], [keys[i] for i in past], generator)
     return tokens
 
 
@@ -267,6 +283,7 @@ def _locate_by_blocks(e: torch.Tensor, target: torch.Tensor, block: int = 256) -
     [r, V]: block sums first, then a cumulative sum inside one block (cheaper than the
     cumulative sum of the row)."""
     r, vocab = e.shape
+    block = min(block, vocab)
     full = vocab // block * block
     sums = e[:, :full].view(r, -1, block).sum(dim=2)
     if full < vocab:
