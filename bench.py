@@ -639,7 +639,7 @@ def print_side_by_side(reports: list[dict]) -> None:
 def run_micro(args, model_dir: str, device: torch.device) -> None:
     """--micro: each section's function measures, then its table (or one JSON object)."""
     vocabs = [int(v) for v in args.micro_vocabs.split(",") if v]
-    sections = {"sampler": micro_sampler(model_dir, args.label, device, vocabs)}
+    sections = {"sampler": micro_sampler(model_dir, args.label, device, vocabs, repeats=args.micro_repeats)}
     if args.json:
         print(json.dumps(sections, indent=2))
         return
@@ -679,6 +679,8 @@ def main() -> None:
                    help="microbenchmarks instead of the workloads, one section each: the sampler per mode")
     p.add_argument("--micro-vocabs", default="49152,151936",
                    help="vocabulary sizes of the sampler microbenchmark (comma-separated)")
+    p.add_argument("--micro-repeats", type=int, default=3,
+                   help="timed rounds of each microbenchmark (after one warm-up); each keeps its fastest")
     args = p.parse_args()
     names = [w for w in args.workload.split(",") if w]
     unknown = [w for w in names if w not in WORKLOADS]

@@ -4,23 +4,24 @@ Order (vLLM's): min_tokens mask -> penalties -> [logprobs taken here] -> greedy 
 or temperature -> top-k -> top-p -> min-p -> one draw. Greedy rows take the argmax of the
 penalised logits and are exact.
 
-A sampled row draws one uniform u and inverts its CDF: its kept tokens, most likely first
-(ties: lower id first), each weighted w = exp((logit - max) / T); the token is the first
-whose cumulative weight exceeds u times the kept weight. Only candidates are sorted: the
-row's top_k tokens, or its top CANDIDATES when top_k is off, found from block maxima
-(`top_candidates`). Where top-k, top-p or min-p ends inside the candidates (the usual
-case) that is the whole draw; top-p then needs the full-vocabulary weight Z for its cut
-(one pass that only sums). Where the kept set may reach past the candidates (temperature
-only, or a nucleus or min-p set larger than the candidates), u * Z is located in the
-candidates first and, past them, in the other tokens in id order; a token drawn there that
-top-p or min-p drops is rejected and the row draws again among the tokens more likely than
-it. That is exact: the kept set is every token above some weight, and each draw is
-proportional to w over a superset of it. Only rows whose draw lands past the candidates
-pay those extra passes.
+A sampled row inverts its CDF with one uniform u: its kept tokens, most likely first (ties:
+lower id first), weighted w = exp((logit - max) / T); the token is the first whose
+cumulative weight exceeds u times the kept weight. Only candidates are sorted: the row's
+top_k tokens, or its top CANDIDATES when top_k is off, found from block maxima
+(`top_candidates`). Where top-k, top-p or min-p ends inside the candidates (the usual case)
+that is the whole draw; with top_k off, top-p's cut needs the weight Z of the whole
+vocabulary, one pass of exp2 and a sum. Where the kept set may reach past the candidates
+(temperature only, or a nucleus or min-p set larger than them), u * Z is located in the
+candidates first and then among the other tokens in id order; a token drawn there that
+top-p or min-p drops is rejected, and the row draws again among the tokens more likely
+than it. That is exact: the kept set is every token above some weight, and each draw is
+proportional to w over a superset of it. Only rows whose draw lands past their candidates
+pay for those passes.
 
-A seeded row's uniforms are a hash of (seed, token index, draw number) and nothing else,
-so its token depends neither on the batch nor on preemption; the other rows draw from the
-engine's generator. On the CPU rows go through in chunks that stay in cache.
+A seeded row's uniforms are a hash of (seed, token index, draw number) and nothing else, so
+its token depends neither on the batch nor on preemption; the other rows draw from the
+engine's generator. On the CPU the full-vocabulary passes go a few MiB of rows at a time,
+in one buffer kept across steps, so that each chunk's passes run in cache.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 CANDIDATES = 64  # tokens sorted per row when top_k is off (SmolLM2 at T 0.8: 88% of nuclei fit)
-_CHUNK_BYTES = 4 << 20  # CPU: logits rows per chunk, so that a chunk's passes run in cache
+_CHUNK_BYTES = 4 << 20  # CPU: rows of token weights per chunk
 _MASK = (1 << 64) - 1
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio increment: spreads (seed, step) pairs
 
@@ -92,7 +93,7 @@ class Sampler:
     penalties apply."""
 
     def __init__(self):
-        self._scratch = torch.empty(0)  # CPU chunk buffers, kept: fresh memory page-faults
+        self._scratch = torch.empty(0)  # the CPU chunk buffer, kept: fresh memory page-faults
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors,
                  generator: torch.Generator | None = None) -> SamplerOutput:
@@ -120,31 +121,31 @@ class Sampler:
         temps = t.temperatures.tolist()
         sampled = [i for i, x in enumerate(temps) if x > 0]
         keys = dict(t.seeded or ())
+        keys = [keys.get(i) for i in sampled]
+        scratch = self._buffer if logits.device.type == "cpu" else None
         if len(sampled) == len(temps):
-            settings = RowSettings.build(t, None, logits.shape[1])
-            return sample_rows(logits, None, settings, [keys.get(i) for i in sampled], generator, self._buffers)
+            return sample_rows(logits, None, RowSettings.build(t, None, logits.shape[1]), keys, generator, scratch)
         dev = logits.device
         tokens = torch.empty(len(temps), dtype=torch.long, device=dev)
         greedy = torch.tensor([i for i, x in enumerate(temps) if x <= 0], dtype=torch.long, device=dev)
         tokens[greedy] = logits[greedy].argmax(dim=-1)
         rows = torch.tensor(sampled, dtype=torch.long, device=dev)
         settings = RowSettings.build(t, rows, logits.shape[1])
-        tokens[rows] = sample_rows(logits, rows, settings, [keys.get(i) for i in sampled], generator,
-                                   self._buffers)
+        tokens[rows] = sample_rows(logits, rows, settings, keys, generator, scratch)
         return tokens
 
-    def _buffers(self, rows: int, vocab: int) -> torch.Tensor:
-        """[2, rows, vocab] float32 on the CPU, the same memory from step to step."""
-        if self._scratch.numel() < 2 * rows * vocab:
+    def _buffer(self, rows: int, vocab: int) -> torch.Tensor:
+        """[rows, vocab] float32 on the CPU, the same memory from step to step."""
+        if self._scratch.numel() < rows * vocab:
             with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
-                self._scratch = torch.empty(2 * rows * vocab)
-        return self._scratch[:2 * rows * vocab].view(2, rows, vocab)
+                self._scratch = torch.empty(rows * vocab)
+        return self._scratch[:rows * vocab].view(rows, vocab)
 
 
 class RowSettings(NamedTuple):
     """The settings of the n sampled rows ([n] tensors; None where no row uses one)."""
 
-    inv_temp: torch.Tensor  # float32
+    scale: torch.Tensor  # float32 log2(e) / T: weights 2 ** ((logit - max) * scale) (exp2 is cheaper)
     k: torch.Tensor  # int64: candidates per row (top_k, or CANDIDATES when top_k is off)
     top_k_on: torch.Tensor  # bool
     top_p: torch.Tensor | None  # float32
@@ -164,56 +165,31 @@ class RowSettings(NamedTuple):
         k_list = [k if k < vocab else off for k in values]
         k = torch.tensor(k_list, dtype=torch.long, device=temps.device)
         on = torch.zeros_like(k, dtype=torch.bool) if top_k is None else top_k < vocab
-        return RowSettings(1 / temps, k, on, pick(t.top_p), pick(t.min_p), k_list, [x >= vocab for x in values])
+        return RowSettings(math.log2(math.e) / temps, k, on, pick(t.top_p), pick(t.min_p), k_list,
+                           [x >= vocab for x in values])
 
     def chunk(self, rows: slice) -> "RowSettings":
         return RowSettings(*(None if x is None else x[rows] for x in self))
 
 
 def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings,
-                keys: list[int | None], generator: torch.Generator | None, buffers=None) -> torch.Tensor:
+                keys: list[int | None], generator: torch.Generator | None, scratch=None) -> torch.Tensor:
     """One token for each of the n sampled rows (rows of logits, None: all), [n] int64.
     keys: each row's seeded key (seed_for_token), None for the generator's draws.
-    buffers(rows, vocab): [2, rows, vocab] CPU scratch (None: allocated here)."""
-    n, vocab = len(keys), logits.shape[1]
+    scratch(rows, vocab): a CPU buffer reused for chunks of token weights (None: allocate)."""
+    vocab = logits.shape[1]
     u = uniforms(keys, 0, generator, logits.device)
-    cpu = logits.device.type == "cpu"
-    step = max(1, _CHUNK_BYTES // (4 * vocab)) if cpu else n
-    # CPU: chunks reuse two buffers (fresh memory costs a page fault per 4 KiB)
-    gathered, weights = ((buffers or _fresh)(min(step, n), vocab) if cpu else (None, None))
-    out = []
-    for start in range(0, n, step):
-        part = slice(start, min(n, start + step))
-        if rows is None:
-            src = logits[part]
-        elif cpu:
-            src = torch.index_select(logits, 0, rows[part], out=gathered[:part.stop - start])
-        else:
-            src = logits.index_select(0, rows[part])
-        e = None if weights is None else weights[:part.stop - start]
-        out.append(_sample_chunk(src, s.chunk(part), u[part], keys[part], generator, e))
-    return torch.cat(out)
-
-
-def _fresh(rows: int, vocab: int) -> torch.Tensor:
-    return torch.empty(2, rows, vocab)
-
-
-def _sample_chunk(src: torch.Tensor, s: RowSettings, u: torch.Tensor, keys: list[int | None],
-                  generator, out: torch.Tensor | None) -> torch.Tensor:
-    vocab = src.shape[1]
-    vals, ids = top_candidates(src, max(s.k_list))  # [c, k], largest first
+    vals, ids = top_candidates(logits, max(s.k_list), rows)  # [n, k], largest first
     m = vals[:, :1]
-    scale = s.inv_temp[:, None]
-    w = torch.exp((vals - m) * scale)  # candidate weights, the largest 1
+    scale = s.scale[:, None]
+    w = torch.exp2((vals - m) * scale)  # candidate weights, the largest 1
     w = torch.where(torch.arange(w.shape[1], device=w.device) < s.k[:, None], w, 0)
     cum = w.cumsum(dim=1)
-    cand = cum.gather(1, (s.k - 1)[:, None]).squeeze(1)  # the weight of the row's candidates
-    e = z = None
+    cand = cum.gather(1, (s.k - 1)[:, None]).squeeze(1)  # the weight of each row's candidates
+    z = None
     z_top = cand  # what top-p is a fraction of: the top-k set, or the whole vocabulary
     if any(s.off_list):
-        e = torch.sub(src, m, out=out).mul_(scale).exp_()  # [c, V] every token's weight
-        z = e.sum(dim=1)
+        z = torch.cat([e.sum(dim=1) for _, e in _weights(logits, rows, m, scale, scratch)])
         z_top = torch.where(s.top_k_on, cand, z)
     keep = w > 0
     if s.top_p is not None:
@@ -227,21 +203,48 @@ def _sample_chunk(src: torch.Tensor, s: RowSettings, u: torch.Tensor, keys: list
     limit = torch.where(inside, kept, cand)
     target = u * torch.where(inside, kept, z_top)
     tokens = _locate(cum, ids, torch.minimum(target, torch.nextafter(limit, torch.zeros_like(limit))))
-    past = (~inside & (target >= limit)).nonzero().squeeze(1).tolist()  # rows with top_k off
-    if past:
-        p = torch.tensor(past, dtype=torch.long, device=src.device)
-        tokens[p] = _sample_past_candidates(
-            e if len(past) == len(keys) else e[p], w[p, :CANDIDATES], cum[p, :CANDIDATES],
-            ids[p, :CANDIDATES], (target - cand)[p], z[p], None if s.top_p is None else s.top_p[p],
-            None if s.min_p is None else s.min_p[p], [keys[i] for i in past], generator)
+    past = (~inside & (target >= limit)).nonzero().squeeze(1)  # only rows with top_k off
+    if len(past):
+        c = CANDIDATES
+        tokens[past] = _sample_past_candidates(
+            logits, past if rows is None else rows[past], m[past], scale[past], w[past, :c], cum[past, :c],
+            ids[past, :c], (target - cand)[past], z[past], None if s.top_p is None else s.top_p[past],
+            None if s.min_p is None else s.min_p[past], [keys[i] for i in past.tolist()], generator, scratch)
     return tokens
 
 
-def _sample_past_candidates(e, w, cum, ids, rest, z, top_p, min_p, keys, generator) -> torch.Tensor:
-    """Rows whose draw fell past their candidates: locate the rest of the draw among the
-    other tokens (id order); a token top-p or min-p drops is rejected, and the row draws
-    again among the tokens more likely than it, candidates first. e: [r, V] every token's
-    weight (overwritten), w / cum / ids: [r, CANDIDATES], rest / z: [r]."""
+def _weights(logits: torch.Tensor, rows: torch.Tensor | None, m: torch.Tensor, scale: torch.Tensor, scratch):
+    """(part, e) for chunks of the rows (rows of logits, None: all): e [c, V] every token's
+    weight 2 ** ((logit - max) * scale). On the CPU a chunk is a few MiB, in one buffer
+    that the next chunk reuses, so that its passes run in cache; elsewhere one chunk."""
+    n, vocab = len(m), logits.shape[1]
+    step = max(1, _CHUNK_BYTES // (4 * vocab)) if logits.device.type == "cpu" else n
+    for start in range(0, n, step):
+        part = slice(start, min(n, start + step))
+        out = None if scratch is None else scratch(part.stop - start, vocab)
+        if rows is None:
+            e = torch.sub(logits[part], m[part], out=out)
+        else:
+            e = torch.index_select(logits, 0, rows[part], out=out).sub_(m[part])
+        yield part, e.mul_(scale[part]).exp2_()
+
+
+def _sample_past_candidates(logits, rows, m, scale, w, cum, ids, rest, z, top_p, min_p, keys, generator,
+                            scratch) -> torch.Tensor:
+    """Rows whose draw fell past their candidates (rows of logits), chunk by chunk."""
+    out = []
+    for part, e in _weights(logits, rows, m, scale, scratch):
+        out.append(_draw_past_candidates(
+            e, w[part], cum[part], ids[part], rest[part], z[part], None if top_p is None else top_p[part],
+            None if min_p is None else min_p[part], keys[part], generator))
+    return torch.cat(out)
+
+
+def _draw_past_candidates(e, w, cum, ids, rest, z, top_p, min_p, keys, generator) -> torch.Tensor:
+    """Locate the rest of each row's draw among the tokens past its candidates (id order);
+    a token top-p or min-p drops is rejected, and the row draws again among the tokens
+    more likely than it, candidates first. e: [r, V] every token's weight (overwritten),
+    w / cum / ids: [r, CANDIDATES], rest / z: [r]."""
     e.scatter_(1, ids, 0)  # the tokens past the candidates
     tokens = torch.empty(len(keys), dtype=torch.long, device=e.device)
     live = torch.arange(len(keys), device=e.device)  # rows still drawing
@@ -336,24 +339,27 @@ def uniforms(keys: list[int | None], draw: int, generator: torch.Generator | Non
     return u
 
 
-def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest logits of each row and their token ids, [n, k] each, largest first
-    (ties: lower id first). The k largest lie in the k blocks with the largest maxima, so
-    after one pass of block maxima only those blocks are searched."""
-    n, vocab = logits.shape
+def top_candidates(logits: torch.Tensor, k: int,
+                   rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest logits of each row (rows of logits, None: all) and their token ids,
+    [n, k] each, largest first (ties: lower id first). The k largest lie in the k blocks
+    with the largest maxima, so after one pass of block maxima only those are searched."""
+    vocab = logits.shape[1]
+    n = len(logits) if rows is None else len(rows)
     block = 2 ** round(math.log2(max(1.0, math.sqrt(vocab / k))))
     num_blocks = vocab // block
     if block < 8 or num_blocks < 4 * k:
-        vals, ids = logits.topk(k, dim=1, sorted=False)
+        vals, ids = (logits if rows is None else logits[rows]).topk(k, dim=1, sorted=False)
     else:
         full = num_blocks * block
-        blocks = logits[:, :full].view(n, num_blocks, block)
-        top = blocks.amax(dim=2).topk(k, dim=1, sorted=False).indices  # [n, k] blocks
-        rows = torch.arange(n, device=logits.device)[:, None]
-        pool = blocks[rows, top].view(n, k * block)
+        blocks = logits[:, :full].view(len(logits), num_blocks, block)
+        maxima = blocks.amax(dim=2)  # [N, num_blocks], for every row: cheaper than picking rows first
+        top = (maxima if rows is None else maxima[rows]).topk(k, dim=1, sorted=False).indices  # [n, k]
+        index = (torch.arange(n, device=logits.device) if rows is None else rows)[:, None]
+        pool = blocks[index, top].view(n, k * block)
         pool_ids = (top[:, :, None] * block + torch.arange(block, device=logits.device)).view(n, k * block)
         if full < vocab:  # the ragged end joins every row's pool
-            pool = torch.cat([pool, logits[:, full:]], dim=1)
+            pool = torch.cat([pool, logits[:, full:] if rows is None else logits[rows, full:]], dim=1)
             pool_ids = torch.cat([pool_ids, torch.arange(full, vocab, device=logits.device).expand(n, -1)], dim=1)
         vals, pos = pool.topk(k, dim=1, sorted=False)
         ids = pool_ids.gather(1, pos)

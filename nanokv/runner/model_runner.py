@@ -223,7 +223,7 @@ class ModelRunner:
         for i, s in enumerate(rows):
             if s.params.has_penalties:
                 state = self.token_counts.get(s.seq_id)
-                if state is None or state.tokens is not s.all_token_ids:  # new, or after a restart
+                if state is None or state.tokens is not s.all_token_ids:  # first step, or a stale entry
                     state = self.token_counts[s.seq_id] = TokenCounts(s.all_token_ids, s.num_prompt_tokens)
                 state.update()
                 penalised.append(i)
