@@ -466,42 +466,55 @@ def micro_sampler(model_dir: str, label: str, device: torch.device, vocabs: list
                   repeats: int = 3) -> list[dict]:
     """ModelRunner.sample per step (settings to tensors, sampling, tokens to the host) at
     num_rows rows for each mode of MICRO_SAMPLER_MODES, on random normal logits and on the
-    model's own (fit_vocab), for each vocabulary size. The modes alternate within a round;
-    each keeps its fastest of `repeats` rounds after a warm-up; each step is one token
-    later than the one before (seeds and penalty counts move on)."""
+    model's own (fit_vocab), for each vocabulary size; on the CPU with one thread. The
+    modes alternate within a round; each keeps its fastest of `repeats` rounds after a
+    warm-up (wall clock, and this thread's CPU time, which other processes on the machine
+    disturb less); each step is one token later than the one before (seeds and penalty
+    counts move on)."""
     from nanokv import LLM
     from nanokv.tiny import cached_tiny_checkpoint
 
     real = model_logits(model_dir, device, num_rows)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
     rng = random.Random(0)
+    names = [name for name, _ in MICRO_SAMPLER_MODES]
     reports = []
-    for vocab in vocabs:
-        llm = LLM(cached_tiny_checkpoint("qwen3-tiny", vocab_size=vocab), device=str(device), max_model_len=256,
-                  max_num_seqs=num_rows, num_kvcache_blocks=16)
-        runner = llm.llm_engine.runner
-        kinds = {"random normal": torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(0)),
-                 label: fit_vocab(real, vocab)}
-        for kind, logits in kinds.items():
-            logits = logits.to(device)
-            batches = [micro_batch(params, num_rows, vocab, (m + 1) << 20, rng)
-                       for m, (_, params) in enumerate(MICRO_SAMPLER_MODES)]
-            seconds = [[] for _ in batches]
-            for _ in range(repeats + 1):
-                for times, batch in zip(seconds, batches):
-                    step_logits = logits.clone()  # penalties and masks write into the logits
-                    sync(device)
-                    start = time.perf_counter()
-                    runner.sample(step_logits, batch)
-                    times.append(time.perf_counter() - start)
-                    for seq in batch.seqs:  # the next step: one more generated token
-                        seq.all_token_ids.append(rng.randrange(vocab))
-                        seq.num_generated += 1
-            best = [min(times[1:]) for times in seconds]
-            names = [name for name, _ in MICRO_SAMPLER_MODES]
-            reports.append(dict(vocab=vocab, logits=kind, rows=num_rows, runs=repeats,
-                                ms_per_step={n: round(1000 * b, 2) for n, b in zip(names, best)},
-                                vs_greedy={n: round(b / best[0], 2) for n, b in zip(names, best)}))
-        del llm, runner
+    try:
+        for vocab in vocabs:
+            llm = LLM(cached_tiny_checkpoint("qwen3-tiny", vocab_size=vocab), device=str(device), max_model_len=256,
+                      max_num_seqs=num_rows, num_kvcache_blocks=16)
+            runner = llm.llm_engine.runner
+            kinds = {"random normal": torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(0)),
+                     label: fit_vocab(real, vocab)}
+            for kind, logits in kinds.items():
+                logits = logits.to(device)
+                batches = [micro_batch(params, num_rows, vocab, (m + 1) << 20, rng)
+                           for m, (_, params) in enumerate(MICRO_SAMPLER_MODES)]
+                wall, cpu = [[] for _ in batches], [[] for _ in batches]
+                for _ in range(repeats + 1):
+                    for i, batch in enumerate(batches):
+                        step_logits = logits.clone()  # penalties and masks write into the logits
+                        sync(device)
+                        start, start_cpu = time.perf_counter(), time.thread_time()
+                        runner.sample(step_logits, batch)
+                        wall[i].append(time.perf_counter() - start)
+                        cpu[i].append(time.thread_time() - start_cpu)
+                        for seq in batch.seqs:  # the next step: one more generated token
+                            seq.all_token_ids.append(rng.randrange(vocab))
+                            seq.num_generated += 1
+                best, best_cpu = [min(t[1:]) for t in wall], [min(t[1:]) for t in cpu]
+                reports.append(dict(
+                    vocab=vocab, logits=kind, rows=num_rows, runs=repeats, threads=torch.get_num_threads(),
+                    ms_per_step={n: round(1000 * b, 2) for n, b in zip(names, best)},
+                    vs_greedy={n: round(b / best[0], 2) for n, b in zip(names, best)},
+                    cpu_ms_per_step={n: round(1000 * b, 2) for n, b in zip(names, best_cpu)},
+                    cpu_vs_greedy={n: round(b / best_cpu[0], 2) for n, b in zip(names, best_cpu)},
+                    all_ms={n: [round(1000 * x, 1) for x in t[1:]] for n, t in zip(names, wall)}))
+            del llm, runner
+    finally:
+        torch.set_num_threads(threads)
     return reports
 
 
@@ -512,13 +525,15 @@ def print_micro_sampler(reports: list[dict]) -> None:
         new = {k: v for k, v in params.items() if before.get(k) != v}
         added.append(f"{name}: " + ", ".join(f"{k} {'per request' if v is True else v}" for k, v in new.items()))
         before = params
-    print(f"sampler: ModelRunner.sample per step at {reports[0]['rows']} rows (200-token prompts, 50+ tokens "
-          f"generated), ms and x greedy, fastest of {reports[0]['runs']} rounds; each mode adds to the one "
-          f"before ({'; '.join(added)})\n")
+    first = reports[0]
+    print(f"sampler: ModelRunner.sample per step at {first['rows']} rows (200-token prompts, 50+ tokens "
+          f"generated), {first['threads']} thread(s), fastest of {first['runs']} rounds, wall ms (x greedy) "
+          f"and CPU ms (x greedy); each mode adds to the one before ({'; '.join(added)})\n")
     print("| vocab | logits | " + " | ".join(names) + " |")
     print("|---|---|" + "---|" * len(names))
     for r in reports:
-        cells = [f"{r['ms_per_step'][n]:.1f} ({r['vs_greedy'][n]:.2f}x)" for n in names]
+        cells = [f"{r['ms_per_step'][n]:.1f} ({r['vs_greedy'][n]:.2f}x), {r['cpu_ms_per_step'][n]:.1f} "
+                 f"({r['cpu_vs_greedy'][n]:.2f}x)" for n in names]
         print(f"| {r['vocab']:,} | {r['logits']} | " + " | ".join(cells) + " |")
 
 

@@ -93,7 +93,7 @@ class Sampler:
     penalties apply."""
 
     def __init__(self):
-        self._scratch = torch.empty(0)  # the CPU chunk buffer, kept: fresh memory page-faults
+        self._scratch = torch.empty(0)  # two CPU chunk buffers, kept: fresh memory page-faults
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors,
                  generator: torch.Generator | None = None) -> SamplerOutput:
@@ -102,19 +102,29 @@ class Sampler:
             logits[t.banned] = float("-inf")
         if t.penalty_ids is not None:
             apply_penalties(logits, t)
-        logprobs = None
-        if t.max_logprobs is not None:
-            asking = logits if t.logprob_rows is None else logits[t.logprob_rows]
-            logprobs = torch.log_softmax(asking, dim=-1)  # [A, V]
         tokens = logits.argmax(dim=-1) if t.all_greedy else self._draw(logits, t, generator)
         out = SamplerOutput(tokens)
-        if logprobs is not None:
-            mine = tokens if t.logprob_rows is None else tokens[t.logprob_rows]
-            out.logprobs = logprobs.gather(1, mine[:, None]).squeeze(1)
-            out.ranks = (logprobs > out.logprobs[:, None]).sum(dim=-1) + 1
-            if t.max_logprobs > 0:
-                out.top_logprobs, out.top_ids = logprobs.topk(t.max_logprobs, dim=-1)
+        if t.max_logprobs is not None:
+            self._logprobs(logits, t, out)
         return out
+
+    def _logprobs(self, logits: torch.Tensor, t: SamplingTensors, out: SamplerOutput) -> None:
+        """The asking rows' log-probabilities under the penalised logits (before temperature
+        and top-k/p): the sampled token's, its rank, the top max_logprobs. Each is its logit
+        minus the row's log-sum-exp, so no [A, V] log_softmax is built."""
+        rows = t.logprob_rows
+        tokens = out.tokens if rows is None else out.tokens[rows]
+        picked = logits.gather(1, tokens[:, None]) if rows is None else logits[rows, tokens][:, None]  # [A, 1]
+        m = logits.amax(dim=1, keepdim=True)
+        m = m if rows is None else m[rows]
+        scale = torch.full_like(m, math.log2(math.e))
+        sums = torch.cat([e.sum(dim=1) for _, e in _weights(logits, rows, m, scale, self._scratch_for(logits))])
+        lse = m.squeeze(1) + sums.log()
+        out.logprobs = picked.squeeze(1) - lse
+        out.ranks = _count_above(logits, rows, picked) + 1
+        if t.max_logprobs > 0:
+            vals, out.top_ids = top_candidates(logits, t.max_logprobs, rows)
+            out.top_logprobs = vals - lse[:, None]
 
     def _draw(self, logits: torch.Tensor, t: SamplingTensors, generator) -> torch.Tensor:
         """Greedy rows: argmax; the others: sample_rows."""
@@ -122,7 +132,7 @@ class Sampler:
         sampled = [i for i, x in enumerate(temps) if x > 0]
         keys = dict(t.seeded or ())
         keys = [keys.get(i) for i in sampled]
-        scratch = self._buffer if logits.device.type == "cpu" else None
+        scratch = self._scratch_for(logits)
         if len(sampled) == len(temps):
             return sample_rows(logits, None, RowSettings.build(t, None, logits.shape[1]), keys, generator, scratch)
         dev = logits.device
@@ -134,12 +144,17 @@ class Sampler:
         tokens[rows] = sample_rows(logits, rows, settings, keys, generator, scratch)
         return tokens
 
-    def _buffer(self, rows: int, vocab: int) -> torch.Tensor:
-        """[rows, vocab] float32 on the CPU, the same memory from step to step."""
-        if self._scratch.numel() < rows * vocab:
+    def _scratch_for(self, logits: torch.Tensor):
+        return self._buffer if logits.device.type == "cpu" else None
+
+    def _buffer(self, which: int, rows: int, vocab: int) -> torch.Tensor:
+        """CPU buffer `which` (0 or 1) as [rows, vocab] float32, the same memory from step to step."""
+        size = rows * vocab
+        if 2 * size > self._scratch.numel():
             with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
-                self._scratch = torch.empty(rows * vocab)
-        return self._scratch[:rows * vocab].view(rows, vocab)
+                self._scratch = torch.empty(2 * size)
+        half = self._scratch.numel() // 2
+        return self._scratch[which * half:which * half + size].view(rows, vocab)
 
 
 class RowSettings(NamedTuple):
@@ -176,7 +191,7 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings,
                 keys: list[int | None], generator: torch.Generator | None, scratch=None) -> torch.Tensor:
     """One token for each of the n sampled rows (rows of logits, None: all), [n] int64.
     keys: each row's seeded key (seed_for_token), None for the generator's draws.
-    scratch(rows, vocab): a CPU buffer reused for chunks of token weights (None: allocate)."""
+    scratch(i, rows, vocab): CPU buffer i (0 or 1), reused from chunk to chunk (None: allocate)."""
     vocab = logits.shape[1]
     u = uniforms(keys, 0, generator, logits.device)
     vals, ids = top_candidates(logits, max(s.k_list), rows)  # [n, k], largest first
@@ -185,32 +200,57 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings,
     w = torch.exp2((vals - m) * scale)  # candidate weights, the largest 1
     w = torch.where(torch.arange(w.shape[1], device=w.device) < s.k[:, None], w, 0)
     cum = w.cumsum(dim=1)
-    cand = cum.gather(1, (s.k - 1)[:, None]).squeeze(1)  # the weight of each row's candidates
+    before = cum - w  # the weight of the more likely candidates
+    last = (s.k - 1)[:, None]
+    cand = cum.gather(1, last).squeeze(1)  # the weight of each row's candidates
+    c = CANDIDATES
+    # the kept set ends inside the candidates: top-k, or an option drops the last candidate
+    cut = s.top_k_on | (s.k >= vocab) | (w.gather(1, last).squeeze(1) == 0)
+    if s.min_p is not None:
+        cut |= w.gather(1, last).squeeze(1) < s.min_p
     z = None
     z_top = cand  # what top-p is a fraction of: the top-k set, or the whole vocabulary
+    tokens = torch.empty(len(keys), dtype=torch.long, device=logits.device)
+    past = torch.zeros(len(keys), dtype=torch.bool, device=logits.device)
     if any(s.off_list):
-        z = torch.cat([e.sum(dim=1) for _, e in _weights(logits, rows, m, scale, scratch)])
+        sums = []
+        for part, e in _weights(logits, rows, m, scale, scratch):
+            sums.append(e.sum(dim=1))
+            inside = _inside(cut[part], before[part].gather(1, last[part]).squeeze(1), s.top_p, part,
+                             torch.where(s.top_k_on[part], cand[part], sums[-1]))
+            past[part] = ~inside & (u[part] * sums[-1] >= cand[part])
+            hit = past[part].nonzero().squeeze(1)
+            if len(hit):  # draw these rows now, while their weights are at hand
+                if len(hit) < len(e):
+                    out = None if scratch is None else scratch(1, len(hit), vocab)
+                    e = torch.index_select(e, 0, hit, out=out)
+                at = hit + part.start
+                tokens[at] = _draw_past_candidates(
+                    e, w[at, :c], cum[at, :c], ids[at, :c], u[at] * sums[-1][hit] - cand[at], sums[-1][hit],
+                    None if s.top_p is None else s.top_p[at], None if s.min_p is None else s.min_p[at],
+                    [keys[i] for i in at.tolist()], generator)
+        z = torch.cat(sums)
         z_top = torch.where(s.top_k_on, cand, z)
     keep = w > 0
     if s.top_p is not None:
-        keep &= (cum - w < s.top_p[:, None] * z_top[:, None]) | (s.top_p[:, None] >= 1)
+        keep &= (before < s.top_p[:, None] * z_top[:, None]) | (s.top_p[:, None] >= 1)
     if s.min_p is not None:
         keep &= w >= s.min_p[:, None]
-    n_keep = keep.sum(dim=1)  # every option keeps a prefix of the candidates
-    # the kept set ends inside the candidates, or holds them all and maybe more
-    inside = s.top_k_on | (n_keep < s.k) | (s.k >= vocab)
-    kept = cum.gather(1, (n_keep - 1)[:, None]).squeeze(1)
+    inside = _inside(cut, before.gather(1, last).squeeze(1), s.top_p, slice(None), z_top)
+    kept = cum.gather(1, (keep.sum(dim=1) - 1)[:, None]).squeeze(1)  # every option keeps a prefix
     limit = torch.where(inside, kept, cand)
     target = u * torch.where(inside, kept, z_top)
-    tokens = _locate(cum, ids, torch.minimum(target, torch.nextafter(limit, torch.zeros_like(limit))))
-    past = (~inside & (target >= limit)).nonzero().squeeze(1)  # only rows with top_k off
-    if len(past):
-        c = CANDIDATES
-        tokens[past] = _sample_past_candidates(
-            logits, past if rows is None else rows[past], m[past], scale[past], w[past, :c], cum[past, :c],
-            ids[past, :c], (target - cand)[past], z[past], None if s.top_p is None else s.top_p[past],
-            None if s.min_p is None else s.min_p[past], [keys[i] for i in past.tolist()], generator, scratch)
-    return tokens
+    drawn = _locate(cum, ids, torch.minimum(target, torch.nextafter(limit, torch.zeros_like(limit))))
+    return torch.where(past, tokens, drawn)
+
+
+def _inside(cut: torch.Tensor, before_last: torch.Tensor, top_p: torch.Tensor | None, part: slice,
+            z_top: torch.Tensor) -> torch.Tensor:
+    """Rows whose kept set ends inside their candidates: cut already, or top-p drops the last
+    candidate (the weight before it reaches top_p * z_top)."""
+    if top_p is None:
+        return cut
+    return cut | ((before_last >= top_p[part] * z_top) & (top_p[part] < 1))
 
 
 def _weights(logits: torch.Tensor, rows: torch.Tensor | None, m: torch.Tensor, scale: torch.Tensor, scratch):
@@ -221,23 +261,12 @@ def _weights(logits: torch.Tensor, rows: torch.Tensor | None, m: torch.Tensor, s
     step = max(1, _CHUNK_BYTES // (4 * vocab)) if logits.device.type == "cpu" else n
     for start in range(0, n, step):
         part = slice(start, min(n, start + step))
-        out = None if scratch is None else scratch(part.stop - start, vocab)
+        out = None if scratch is None else scratch(0, part.stop - start, vocab)
         if rows is None:
             e = torch.sub(logits[part], m[part], out=out)
         else:
             e = torch.index_select(logits, 0, rows[part], out=out).sub_(m[part])
         yield part, e.mul_(scale[part]).exp2_()
-
-
-def _sample_past_candidates(logits, rows, m, scale, w, cum, ids, rest, z, top_p, min_p, keys, generator,
-                            scratch) -> torch.Tensor:
-    """Rows whose draw fell past their candidates (rows of logits), chunk by chunk."""
-    out = []
-    for part, e in _weights(logits, rows, m, scale, scratch):
-        out.append(_draw_past_candidates(
-            e, w[part], cum[part], ids[part], rest[part], z[part], None if top_p is None else top_p[part],
-            None if min_p is None else min_p[part], keys[part], generator))
-    return torch.cat(out)
 
 
 def _draw_past_candidates(e, w, cum, ids, rest, z, top_p, min_p, keys, generator) -> torch.Tensor:
@@ -308,6 +337,14 @@ def _sum_above(e: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
     if e.device.type != "cpu":
         return torch.where(e > wt, e, 0).sum(dim=1)
     return torch.stack([F.threshold(row, x, 0.0).sum() for row, x in zip(e, wt.squeeze(1).tolist())])
+
+
+def _count_above(logits: torch.Tensor, rows: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """Per row (rows of logits, None: all), how many logits exceed x [n, 1]."""
+    if logits.device.type != "cpu":
+        return ((logits if rows is None else logits[rows]) > x).sum(dim=1)
+    index = range(len(logits)) if rows is None else rows.tolist()
+    return torch.tensor([int(torch.count_nonzero(logits[i] > v)) for i, v in zip(index, x.squeeze(1).tolist())])
 
 
 def _zero_up_to(e: torch.Tensor, wt: torch.Tensor) -> None:
