@@ -704,8 +704,8 @@ def keep_faster(best: Result, again: Result) -> Result:
 
 
 # ---- microbenchmarks (--micro) ----------------------------------------------------------
-# Each section is one function: it measures, prints its own table and returns a dict for
-# --json. MICRO_SECTIONS lists them in the order --micro runs them.
+# Each section measures, prints its own table and returns what --json prints under its
+# name; MICRO_SECTIONS (below) lists them in the order --micro runs them.
 
 def micro_host_time(device: torch.device, num_seqs: int = 256, context_lens: tuple[int, ...] = (40, 1000),
                     steps: int = 30, warmup: int = 5, quiet: bool = False) -> dict:
@@ -782,18 +782,145 @@ def micro_host_time(device: torch.device, num_seqs: int = 256, context_lens: tup
     return result
 
 
-MICRO_SECTIONS = [micro_host_time]
+# ---- micro: the sampler ----------------------------------------------------------------
+
+# (column, SamplingParams fields): each mode adds to the one before, greedy aside
+MICRO_SAMPLER_MODES = [
+    ("greedy", dict(temperature=0)),
+    ("temperature", dict(temperature=0.8)),
+    ("+ top_p", dict(temperature=0.8, top_p=0.95)),
+    ("+ seeds", dict(temperature=0.8, top_p=0.95, seed=True)),
+    ("+ top_k", dict(temperature=0.8, top_p=0.95, seed=True, top_k=50)),
+    ("+ penalties", dict(temperature=0.8, top_p=0.95, seed=True, top_k=50, repetition_penalty=1.1,
+                         presence_penalty=0.3, frequency_penalty=0.3)),
+    ("+ logprobs", dict(temperature=0.8, top_p=0.95, seed=True, top_k=50, repetition_penalty=1.1,
+                        presence_penalty=0.3, frequency_penalty=0.3, logprobs=5)),
+]
 
 
-def run_micro(device: torch.device, as_json: bool) -> None:
-    """--micro: every section of MICRO_SECTIONS, one after the other."""
-    results = []
-    for i, section in enumerate(MICRO_SECTIONS):
-        if i and not as_json:
-            print()
-        results.append(section(device, quiet=as_json))
-    if as_json:
-        print(json.dumps(dict(micro=results), indent=2, default=str))
+def model_logits(model_dir: str, device: torch.device, num_rows: int) -> torch.Tensor:
+    """num_rows next-token logits [num_rows, vocab] the model produced while nanokv sampled
+    the chat workload (temperature 0.8, top_p 0.95): a model's real distributions."""
+    from nanokv import LLM, SamplingParams
+
+    llm = LLM(model_dir, device=str(device), max_model_len=512)
+    reqs = make_workload(workload_spec("chat", num_requests=32), 1000, tokenizer=llm.get_tokenizer())
+    runner, rows = llm.llm_engine.runner, []
+    real = runner.sample
+
+    def sample(logits, batch):
+        if logits is not None:
+            rows.append(logits.float().cpu())
+        return real(logits, batch)
+
+    runner.sample = sample
+    params = [SamplingParams(**SAMPLING, seed=r.seed, max_tokens=-(-num_rows // len(reqs)), ignore_eos=True)
+              for r in reqs]
+    llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
+    return torch.cat(rows)[:num_rows]
+
+
+def fit_vocab(logits: torch.Tensor, vocab: int, seed: int = 0) -> torch.Tensor:
+    """Rows of logits resized to vocab: cut to the first ids, or widened with extra tokens
+    whose logits are drawn from the row's own lower 95% (a larger vocabulary adds rare
+    tokens), the columns then shuffled."""
+    if logits.shape[1] >= vocab:
+        return logits[:, :vocab].contiguous()
+    g = torch.Generator().manual_seed(seed)
+    low = logits.sort(dim=1).values[:, :int(0.95 * logits.shape[1])]
+    extra = low.gather(1, torch.randint(0, low.shape[1], (len(logits), vocab - logits.shape[1]), generator=g))
+    return torch.cat([logits, extra], dim=1)[:, torch.randperm(vocab, generator=g)].contiguous()
+
+
+def micro_batch(params: dict, num_rows: int, vocab: int, first_id: int, rng: random.Random):
+    """One decode step of num_rows sequences (a 200-token prompt, 50 tokens generated)."""
+    from nanokv import SamplingParams
+    from nanokv.engine.types import ScheduledBatch, ScheduledSeq
+
+    batch = ScheduledBatch()
+    for i in range(num_rows):
+        seeded = dict(params, seed=first_id + i if params.get("seed") else None)
+        tokens = [rng.randrange(vocab) for _ in range(250)]
+        batch.seqs.append(ScheduledSeq(first_id + i, tokens[-1:], 249, [], True, SamplingParams(**seeded),
+                                       seed=seeded["seed"], num_generated=50, all_token_ids=tokens,
+                                       num_prompt_tokens=200))
+        batch.num_tokens += 1
+    return batch
+
+
+def micro_sampler(model_dir: str, label: str, device: torch.device, vocabs: list[int], num_rows: int = 256,
+                  repeats: int = 3) -> list[dict]:
+    """ModelRunner.sample per step (settings to tensors, sampling, tokens to the host) at
+    num_rows rows for each mode of MICRO_SAMPLER_MODES, on random normal logits and on the
+    model's own (fit_vocab), for each vocabulary size; on the CPU with one thread. The
+    modes alternate within a round; each keeps its fastest of `repeats` rounds after a
+    warm-up (wall clock, and this thread's CPU time, which other processes on the machine
+    disturb less); each step is one token later than the one before (seeds and penalty
+    counts move on)."""
+    from nanokv import LLM
+    from nanokv.testing.tiny import cached_tiny_checkpoint
+
+    real = model_logits(model_dir, device, num_rows)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    rng = random.Random(0)
+    names = [name for name, _ in MICRO_SAMPLER_MODES]
+    reports = []
+    try:
+        for vocab in vocabs:
+            llm = LLM(cached_tiny_checkpoint("qwen3-tiny", vocab_size=vocab), device=str(device), max_model_len=256,
+                      max_num_seqs=num_rows, num_kvcache_blocks=16)
+            runner = llm.llm_engine.runner
+            kinds = {"random normal": torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(0)),
+                     label: fit_vocab(real, vocab)}
+            for kind, logits in kinds.items():
+                logits = logits.to(device)
+                batches = [micro_batch(params, num_rows, vocab, (m + 1) << 20, rng)
+                           for m, (_, params) in enumerate(MICRO_SAMPLER_MODES)]
+                wall, cpu = [[] for _ in batches], [[] for _ in batches]
+                for _ in range(repeats + 1):
+                    for i, batch in enumerate(batches):
+                        step_logits = logits.clone()  # penalties and masks write into the logits
+                        sync(device)
+                        start, start_cpu = time.perf_counter(), time.thread_time()
+                        runner.sample(step_logits, batch)
+                        wall[i].append(time.perf_counter() - start)
+                        cpu[i].append(time.thread_time() - start_cpu)
+                        for seq in batch.seqs:  # the next step: one more generated token
+                            seq.all_token_ids.append(rng.randrange(vocab))
+                            seq.num_generated += 1
+                best, best_cpu = [min(t[1:]) for t in wall], [min(t[1:]) for t in cpu]
+                reports.append(dict(
+                    vocab=vocab, logits=kind, rows=num_rows, runs=repeats, threads=torch.get_num_threads(),
+                    ms_per_step={n: round(1000 * b, 2) for n, b in zip(names, best)},
+                    vs_greedy={n: round(b / best[0], 2) for n, b in zip(names, best)},
+                    cpu_ms_per_step={n: round(1000 * b, 2) for n, b in zip(names, best_cpu)},
+                    cpu_vs_greedy={n: round(b / best_cpu[0], 2) for n, b in zip(names, best_cpu)},
+                    all_ms={n: [round(1000 * x, 1) for x in t[1:]] for n, t in zip(names, wall)}))
+            del llm, runner
+    finally:
+        torch.set_num_threads(threads)
+    return reports
+
+
+def print_micro_sampler(reports: list[dict]) -> None:
+    names = [name for name, _ in MICRO_SAMPLER_MODES]
+    added, before = [], {}
+    for name, params in MICRO_SAMPLER_MODES[1:]:
+        new = {k: v for k, v in params.items() if before.get(k) != v}
+        added.append(f"{name}: " + ", ".join(f"{k} {'per request' if v is True else v}" for k, v in new.items()))
+        before = params
+    first = reports[0]
+    print(f"sampler: ModelRunner.sample per step at {first['rows']} rows (200-token prompts, 50+ tokens "
+          f"generated), {first['threads']} thread(s), fastest of {first['runs']} rounds, wall ms (x greedy) "
+          f"and CPU ms (x greedy); each mode adds to the one before ({'; '.join(added)})\n")
+    print("| vocab | logits | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(names))
+    for r in reports:
+        cells = [f"{r['ms_per_step'][n]:.1f} ({r['vs_greedy'][n]:.2f}x), {r['cpu_ms_per_step'][n]:.1f} "
+                 f"({r['cpu_vs_greedy'][n]:.2f}x)" for n in names]
+        print(f"| {r['vocab']:,} | {r['logits']} | " + " | ".join(cells) + " |")
 
 
 # ---- main -------------------------------------------------------------------------------
@@ -927,6 +1054,36 @@ def print_side_by_side(reports: list[dict]) -> None:
         print(f"| {engine} | " + " | ".join(cells) + " |")
 
 
+def micro_host_time_section(args, model_dir: str, device: torch.device, quiet: bool) -> dict:
+    return micro_host_time(device, quiet=quiet)
+
+
+def micro_sampler_section(args, model_dir: str, device: torch.device, quiet: bool) -> list[dict]:
+    vocabs = [int(v) for v in args.micro_vocabs.split(",") if v]
+    reports = micro_sampler(model_dir, args.label, device, vocabs, repeats=args.micro_repeats)
+    if not quiet:
+        print_micro_sampler(reports)
+    return reports
+
+
+# --micro's sections in the order it runs them: each measures, prints its own table unless
+# quiet, and returns what --json prints under its name
+MICRO_SECTIONS = {"host_time": micro_host_time_section, "sampler": micro_sampler_section}
+
+
+def run_micro(args, model_dir: str, device: torch.device) -> None:
+    """--micro: every section of MICRO_SECTIONS, one after the other (or one JSON object)."""
+    results = {}
+    names = [n for n in args.micro_sections.split(",") if n]
+    for i, name in enumerate(names):
+        section = MICRO_SECTIONS[name]
+        if i and not args.json:
+            print()
+        results[name] = section(args, model_dir, device, quiet=args.json)
+    if args.json:
+        print(json.dumps(results, indent=2, default=str))
+
+
 def main() -> None:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -967,15 +1124,21 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1 if cuda else 2,
                    help="rounds of nanokv and HF generate's best batch size, alternating; each engine "
                         "reports its fastest (default 2 on CPU, 1 on GPU)")
-    p.add_argument("--micro", action="store_true",
-                   help="microbenchmarks instead of the workloads: host time per decode step (and every other "
-                        "section of MICRO_SECTIONS)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables (with "
                                                        "several workloads: {\"workloads\": [one per workload]})")
+    p.add_argument("--micro", action="store_true",
+                   help="microbenchmarks instead of the workloads, one section each: host time per decode step "
+                        "(schedule, prepare, sample, update) and the sampler per mode")
+    p.add_argument("--micro-sections", default=",".join(MICRO_SECTIONS),
+                   help=f"the --micro sections to run, comma-separated, of {', '.join(MICRO_SECTIONS)}")
+    p.add_argument("--micro-vocabs", default="49152,151936",
+                   help="vocabulary sizes of the sampler microbenchmark (comma-separated)")
+    p.add_argument("--micro-repeats", type=int, default=3,
+                   help="timed rounds of each microbenchmark (after one warm-up); each keeps its fastest")
     args = p.parse_args()
-    if args.micro:
-        run_micro(torch.device("cuda" if cuda else "cpu"), args.json)
-        return
+    unknown = [n for n in args.micro_sections.split(",") if n and n not in MICRO_SECTIONS]
+    if unknown:
+        p.error(f"unknown --micro-sections {unknown}; choose from {', '.join(MICRO_SECTIONS)}")
     names = [w for w in args.workload.split(",") if w]
     unknown = [w for w in names if w not in WORKLOADS]
     if unknown or not names:
@@ -1000,6 +1163,9 @@ def main() -> None:
             p.exit(2, f"bench.py: error: {e}\n")
         from transformers import AutoConfig, AutoTokenizer
 
+        if args.micro:
+            run_micro(args, model_dir, device)
+            return
         dims = model_dims(AutoConfig.from_pretrained(model_dir))
         tokenizer = AutoTokenizer.from_pretrained(model_dir) if any(s.get("chat") for s in specs) else None
         engines = set(args.engines.split(","))

@@ -327,8 +327,8 @@ def record_bench(args) -> None:
     except (OSError, ValueError) as e:
         record(args.name, dict(rc=int(args.rc), error=f"no report: {e}"))
         return
-    if "micro" in report:  # bench.py --micro: its sections as they are
-        record(args.name, dict(rc=int(args.rc), micro=report["micro"]))
+    if "sampler" in report or "host_time" in report:  # bench.py --micro: its sections as they are
+        record(args.name, dict(rc=int(args.rc), micro=report))
         return
     keep = ("engine", "output_tokens", "seconds", "tok_per_s", "runs", "note", "peak_memory_gib", "kv_pool_gib",
             "kv_used_peak_gib", "steps", "forward_seconds", "backend")

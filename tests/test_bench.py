@@ -104,16 +104,21 @@ def test_chat_workload_refuses_prompt_lengths():
     assert bench.workload_spec("chat", num_requests=3, output="5") == dict(num_requests=3, output=(5, 5), chat=True)
 
 
-def test_micro_host_time_reports_every_phase_per_context(capsys):
-    """bench.py --micro's host-time section at a small size: one row per context length,
-    every phase measured (timings themselves are never asserted)."""
-    import torch
-
+def import_bench():
     sys.path.insert(0, ROOT)
     try:
         import bench
     finally:
         sys.path.remove(ROOT)
+    return bench
+
+
+def test_micro_host_time_reports_every_phase_per_context(capsys):
+    """bench.py --micro's host-time section at a small size: one row per context length,
+    every phase measured (timings themselves are never asserted)."""
+    import torch
+
+    bench = import_bench()
     result = bench.micro_host_time(torch.device("cpu"), num_seqs=6, context_lens=(5, 40), steps=3, warmup=1)
     assert [r["context"] for r in result["rows"]] == [5, 40]
     phases = ("schedule", "prepare", "plan", "sample", "update")
@@ -122,4 +127,29 @@ def test_micro_host_time_reports_every_phase_per_context(capsys):
         assert row["total_ms"] == round(sum(row[f"{k}_ms"] for k in phases), 3)
     table = capsys.readouterr().out
     assert "| context | schedule | prepare |" in table and "| 40 |" in table
-    assert bench.micro_host_time in bench.MICRO_SECTIONS
+    assert list(bench.MICRO_SECTIONS) == ["host_time", "sampler"]
+
+
+def test_micro_reports_the_sampler_per_mode(model_dir):
+    """--micro's sampler section: every mode at every vocabulary, on random and on the
+    model's logits, with greedy as the unit (timings are never asserted)."""
+    import torch
+
+    bench = import_bench()
+    out = subprocess.run([sys.executable, "bench.py", "--micro", "--micro-sections", "sampler", "--model", model_dir,
+                          "--micro-vocabs", "1024,3000", "--micro-repeats", "1", "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert list(json.loads(out.stdout)) == ["sampler"]
+    reports = json.loads(out.stdout)["sampler"]
+    modes = [name for name, _ in bench.MICRO_SAMPLER_MODES]
+    assert [(r["vocab"], r["logits"]) for r in reports] == [(v, k) for v in (1024, 3000)
+                                                            for k in ("random normal", model_dir)]
+    for r in reports:
+        assert list(r["ms_per_step"]) == modes and all(ms > 0 for ms in r["ms_per_step"].values())
+        assert r["vs_greedy"]["greedy"] == 1.0 and r["rows"] == 256
+
+    small = torch.randn(4, 100, generator=torch.Generator().manual_seed(0))
+    wide = bench.fit_vocab(small, 250)  # the added tokens are rare ones: the top stays the same
+    assert wide.shape == (4, 250)
+    assert torch.equal(wide.topk(5).values, small.topk(5).values)

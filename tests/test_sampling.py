@@ -4,12 +4,13 @@ logprobs, n > 1, chat, streaming."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
 
 from nanokv import LLM, SamplingParams
-from nanokv.layers.sampler import Sampler, SamplingTensors
+from nanokv.layers.sampler import CANDIDATES, Sampler, SamplingTensors
 
 from .conftest import random_prompts
 
@@ -91,6 +92,102 @@ def test_sample_distribution_matches_masked_softmax(temperature, top_k, top_p, m
     assert 0.5 * (empirical - expected).abs().sum() < 0.04  # total variation
 
 
+def flat_logits(vocab, seed=0):
+    """Distinct, evenly spread logits: at temperature 1 the nucleus of top_p 0.9 holds
+    more than a third of the tokens, far more than the sampler's CANDIDATES."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.linspace(3, -3, vocab)[torch.randperm(vocab, generator=g)]
+
+
+@pytest.mark.parametrize("temperature, top_p, min_p", [
+    (1.0, 1.0, 0.0), (1.0, 0.9, 0.0), (0.7, 0.95, 0.0), (1.0, 1.0, 0.01), (1.0, 0.8, 0.05),
+])
+def test_kept_sets_larger_than_the_candidates_match_a_full_sort(temperature, top_p, min_p):
+    """Rows whose kept set reaches past the candidates go on drawing among the other tokens
+    (and reject what top-p / min-p drop): the distribution is still the full-sort one."""
+    vocab, n = 300, 40000
+    logits = flat_logits(vocab)
+    expected = expected_distribution(logits, temperature, -1, top_p, min_p)
+    assert (expected > 0).sum() > CANDIDATES
+    t = SamplingTensors(torch.full((n,), temperature), all_greedy=False,
+                        top_p=torch.full((n,), top_p) if top_p < 1 else None,
+                        min_p=torch.full((n,), min_p) if min_p > 0 else None)
+    drawn = Sampler()(logits.repeat(n, 1), t, torch.Generator().manual_seed(1)).tokens
+    empirical = torch.bincount(drawn, minlength=vocab).float() / n
+    assert (empirical[expected == 0] == 0).all()
+    by_rank = expected.argsort(descending=True).view(30, 10)  # 30 groups of 10 tokens by probability
+    assert 0.5 * (empirical[by_rank].sum(1) - expected[by_rank].sum(1)).abs().sum() < 0.02
+
+
+def row_logits(vocab, kind, g):
+    """One row of each shape the sampler treats differently: peaked (the nucleus inside
+    the candidates), flat (draws past them), and a long tail with a few clear leaders."""
+    if kind == "peaked":
+        return torch.randn(vocab, generator=g) * 4
+    if kind == "flat":
+        return torch.randn(vocab, generator=g)
+    x = torch.randn(vocab, generator=g)
+    x[torch.randint(0, vocab, (5,), generator=g)] += 4
+    return x
+
+
+def test_seeded_rows_draw_the_same_token_in_any_batch(llm, monkeypatch):
+    """A seeded row's token depends on its logits, settings, seed and token index only:
+    alone, or among greedy, unseeded, large-top_k and logprobs rows, at another position,
+    split across other CPU chunks."""
+    from nanokv.engine.types import ScheduledSeq
+    from nanokv.layers import sampler as sampler_module
+
+    runner, vocab = llm.llm_engine.runner, 5000
+    g = torch.Generator().manual_seed(7)
+    settings = [dict(temperature=0.9, top_p=0.95), dict(temperature=1.0), dict(temperature=0.8, min_p=0.02),
+                dict(temperature=1.2, top_k=20, top_p=0.9), dict(temperature=0.6, top_p=0.5, min_p=0.1)]
+    targets = [(row_logits(vocab, kind, g), ScheduledSeq(100 + j, [1], 0, [], True,
+                                                         SamplingParams(**settings[j % 5], seed=1000 + j),
+                                                         seed=1000 + j, num_generated=j % 4))
+               for j, kind in enumerate(["peaked", "flat", "leaders"] * 10)]
+    others = [(row_logits(vocab, ["peaked", "flat", "leaders"][j % 3], g),
+               ScheduledSeq(900 + j, [1], 0, [], True, params))
+              for j, params in enumerate([SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=400),
+                                          SamplingParams(temperature=0.7, logprobs=3), SamplingParams(top_p=0.9)] * 4)]
+
+    def draw(pairs):
+        logits = torch.stack([x for x, _ in pairs])
+        rows = [s for _, s in pairs]
+        return runner.sampler(logits, runner._sampling_tensors(rows, vocab), runner.generator).tokens.tolist()
+
+    alone = [draw([pair])[0] for pair in targets]
+    assert alone == [draw([pair])[0] for pair in targets]
+    assert len(set(alone)) > 20
+    monkeypatch.setattr(sampler_module, "_CHUNK_BYTES", 3 * 4 * vocab)  # chunks of 3 rows
+    mixed = targets[::-1] + others
+    random.Random(3).shuffle(mixed)
+    got = dict(zip([s.seq_id for _, s in mixed], draw(mixed)))
+    assert [got[s.seq_id] for _, s in targets] == alone
+    later = [(x, ScheduledSeq(s.seq_id, [1], 0, [], True, s.params, seed=s.seed, num_generated=s.num_generated + 1))
+             for x, s in targets]
+    assert [draw([pair])[0] for pair in later] != alone  # the next token index draws anew
+
+
+def test_min_tokens_bans_stop_tokens_in_every_sampling_path(llm):
+    """A stop token that dominates the logits is never drawn before min_tokens, whether the
+    row is greedy, drawn among the candidates or past them; afterwards it is drawn."""
+    from nanokv.engine.types import ScheduledSeq
+
+    runner, vocab, n = llm.llm_engine.runner, 1024, 600
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(5))
+    logits[:, [0, 3, 7]] = 6.0  # 0 and 3: the tiny model's EOS ids, banned too
+    kinds = [dict(temperature=0), dict(temperature=1.0), dict(temperature=0.8, top_p=0.9), dict(top_k=5)]
+
+    def draw(num_generated):
+        rows = [ScheduledSeq(i, [1], 0, [], True, SamplingParams(**kinds[i % 4], min_tokens=3, stop_token_ids=[7]),
+                             num_generated=num_generated) for i in range(n)]
+        return runner.sampler(logits.clone(), runner._sampling_tensors(rows, vocab), runner.generator).tokens
+
+    assert not torch.isin(draw(2), torch.tensor([0, 3, 7])).any()
+    assert torch.isin(draw(3), torch.tensor([0, 3, 7])).float().mean() > 0.5
+
+
 def reference_penalties(logits, prompt, output, rep, pres, freq):
     logits = logits.clone()
     for tok in set(prompt) | set(output):
@@ -122,6 +219,59 @@ def test_penalties_equal_a_straightforward_reference(llm):
     assert out.tokens.tolist() == expected.argmax(-1).tolist()
     got = torch.full_like(expected, float("nan")).scatter_(1, out.top_ids, out.top_logprobs)
     torch.testing.assert_close(got, torch.log_softmax(expected, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_penalty_counts_kept_across_steps_equal_a_reference_from_scratch(llm):
+    """The runner counts each sequence's tokens as they come and drops the counts when the
+    scheduler frees the sequence: every step's penalised logits equal the reference built
+    from the whole token list, through a preemption and the sequence's return."""
+    from nanokv.engine.types import ScheduledBatch, ScheduledSeq
+
+    runner, vocab = llm.llm_engine.runner, 1024
+    g = torch.Generator().manual_seed(11)
+    params = [SamplingParams(temperature=0, repetition_penalty=1.4, presence_penalty=0.6, frequency_penalty=0.3,
+                             logprobs=vocab),
+              SamplingParams(temperature=0, frequency_penalty=1.1, logprobs=vocab)]
+    seqs = [(500 + i, torch.randint(0, 40, (12 + i,), generator=g).tolist(), 12 + i) for i in range(2)]
+    for step in range(12):
+        preempted = step in (5, 6)  # sequence 501 is preempted at step 5 and back at step 7
+        batch = ScheduledBatch(freed_seq_ids=[501] if step == 5 else [])
+        for (seq_id, tokens, num_prompt), p in zip(seqs, params):
+            if not (preempted and seq_id == 501):
+                batch.seqs.append(ScheduledSeq(seq_id, tokens[-1:], len(tokens) - 1, [], True, p,
+                                               num_generated=len(tokens) - num_prompt, all_token_ids=tokens,
+                                               num_prompt_tokens=num_prompt))
+        logits = torch.randn(len(batch.seqs), vocab, generator=g) * 3
+        rows = batch.seqs
+        out = runner.sample(logits.clone(), batch)
+        assert set(runner.token_counts) >= {s.seq_id for s in rows}
+        assert (501 in runner.token_counts) == (not preempted)
+        refs = [reference_penalties(logits[i], s.all_token_ids[:s.num_prompt_tokens],
+                                    s.all_token_ids[s.num_prompt_tokens:], s.params.repetition_penalty,
+                                    s.params.presence_penalty, s.params.frequency_penalty) for i, s in enumerate(rows)]
+        got = torch.stack([torch.full((vocab,), float("nan")).scatter_(0, torch.tensor(lp.top_ids),
+                                                                       torch.tensor(lp.top_logprobs))
+                           for lp in out.logprobs])
+        torch.testing.assert_close(got, torch.log_softmax(torch.stack(refs), -1), rtol=1e-5, atol=1e-5)
+        for s in rows:  # the next token: often one already generated, sometimes a new one
+            s.all_token_ids.append(int(torch.randint(0, 45, (1,), generator=g)))
+    for seq_id, *_ in seqs:
+        runner.token_counts.pop(seq_id)
+
+
+def test_penalised_requests_give_the_same_tokens_under_preemption(model_dir, llm):
+    prompts = random_prompts([20, 35, 11, 28, 40, 17], 1024, seed=90)
+    params = [SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2,
+                             max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=3, frequency_penalty=1.5, max_tokens=30,
+                             ignore_eos=True)] * 3
+    roomy = tokens(llm.generate(prompts, params, use_tqdm=False))
+    tight = LLM(model_dir, max_model_len=128, num_kvcache_blocks=12)
+    assert tokens(tight.generate(prompts, params, use_tqdm=False)) == roomy
+    assert tight.kv_stats().num_preemptions > 0
+    tight.generate(prompts[0], params[0], use_tqdm=False)
+    # the first call's sequences were dropped; the last call's go with the next step
+    assert len(tight.llm_engine.runner.token_counts) <= 1
 
 
 def test_logprobs_equal_hf_log_softmax(model_dir, llm):

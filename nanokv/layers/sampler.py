@@ -1,16 +1,42 @@
-"""Batched sampling: every option is a tensor op over the whole batch with per-row values.
+"""Batched sampling with per-row settings, at a cost close to greedy.
 
 Order (vLLM's): min_tokens mask -> penalties -> [logprobs taken here] -> greedy argmax,
-or temperature -> top-k -> top-p -> min-p -> draw. Greedy rows take the argmax of the
+or temperature -> top-k -> top-p -> min-p -> one draw. Greedy rows take the argmax of the
 penalised logits and are exact.
+
+A sampled row inverts its CDF with one uniform u: its kept tokens, most likely first (ties:
+lower id first), weighted w = exp((logit - max) / T); the token is the first whose
+cumulative weight exceeds u times the kept weight. Only candidates are sorted: the row's
+top_k tokens, or its top CANDIDATES when top_k is off, found from block maxima
+(`top_candidates`). Where top-k, top-p or min-p ends inside the candidates (the usual case)
+that is the whole draw; with top_k off, top-p's cut needs the weight Z of the whole
+vocabulary, one pass of exp2 and a sum. Where the kept set may reach past the candidates
+(temperature only, or a nucleus or min-p set larger than them), u * Z is located in the
+candidates first and then among the other tokens in id order; a token drawn there that
+top-p or min-p drops is rejected, and the row draws again among the tokens more likely
+than it. That is exact: the kept set is every token above some weight, and each draw is
+proportional to w over a superset of it. Only rows whose draw lands past their candidates
+pay for those passes.
+
+A seeded row's uniforms are a hash of (seed, token index, draw number) and nothing else, so
+its token depends neither on the batch nor on preemption; the other rows draw from the
+engine's generator. On the CPU the full-vocabulary passes go a few MiB of rows at a time,
+in one buffer kept across steps, so that each chunk's passes run in cache.
 """
 
 from __future__ import annotations
 
+import math
+from array import array
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
+CANDIDATES = 64  # tokens sorted per row when top_k is off (SmolLM2 at T 0.8: 88% of nuclei fit)
+_CHUNK_BYTES = 4 << 20  # CPU: rows of token weights per chunk
+_MASK = (1 << 64) - 1
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio increment: spreads (seed, step) pairs
 
 
@@ -23,90 +49,397 @@ class SamplingTensors:
     top_k: torch.Tensor | None = None  # [N] int64, vocab size where off
     top_p: torch.Tensor | None = None  # [N] float32, 1 where off
     min_p: torch.Tensor | None = None  # [N] float32, 0 where off
-    # penalties: only when some row asks for them
+    # penalties, only when some row asks for them: per-row values, and each penalised row's
+    # distinct prompt and output tokens as (row, token id) pairs
     repetition: torch.Tensor | None = None  # [N] float32
     presence: torch.Tensor | None = None  # [N] float32
     frequency: torch.Tensor | None = None  # [N] float32
-    output_counts: torch.Tensor | None = None  # [N, V] generated-token counts
-    seen_mask: torch.Tensor | None = None  # [N, V] bool: in prompt or output
+    penalty_rows: torch.Tensor | None = None  # [P] int64
+    penalty_ids: torch.Tensor | None = None  # [P] int64
+    penalty_counts: torch.Tensor | None = None  # [P] float32: times generated (0: prompt only)
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) masked (min_tokens)
     seeded: list[tuple[int, int]] | None = None  # (row, seed for this token) for seeded rows
     max_logprobs: int | None = None  # largest top-N asked for, None when no row asks
+    logprob_rows: torch.Tensor | None = None  # [A] int64 rows that ask (None: all rows)
 
 
 @dataclass
 class SamplerOutput:
     tokens: torch.Tensor  # [N] int64
-    logprobs: torch.Tensor | None = None  # [N] logprob of the sampled token
-    ranks: torch.Tensor | None = None  # [N] 1-based rank of the sampled token
-    top_ids: torch.Tensor | None = None  # [N, max_logprobs]
-    top_logprobs: torch.Tensor | None = None  # [N, max_logprobs]
+    # for the rows that ask for logprobs (SamplingTensors.logprob_rows), in that order
+    logprobs: torch.Tensor | None = None  # [A] logprob of the sampled token
+    ranks: torch.Tensor | None = None  # [A] 1-based rank of the sampled token
+    top_ids: torch.Tensor | None = None  # [A, max_logprobs]
+    top_logprobs: torch.Tensor | None = None  # [A, max_logprobs]
 
 
 def seed_for_token(seed: int, index: int) -> int:
-    """The generator seed of a seeded request's index-th token: independent of the batch,
-    of its position in it and of preemption."""
+    """The key of a seeded request's index-th token: independent of the batch, of its
+    position in it and of preemption."""
     return (seed * _SEED_MIX + index * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
 
 
+def seeded_uniform(key: int, draw: int) -> float:
+    """The draw-th uniform in [0, 1) of a token key (splitmix64); 24 bits, so that it is
+    exact in float32 and below 1."""
+    x = (key + (draw + 1) * _SEED_MIX) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return ((x ^ (x >> 31)) >> 40) / (1 << 24)
+
+
 class Sampler:
+    """Samples one token per row. The logits are overwritten where min_tokens masks or
+    penalties apply."""
+
+    def __init__(self):
+        self._scratch = torch.empty(0)  # two CPU chunk buffers, kept: fresh memory page-faults
+
     def __call__(self, logits: torch.Tensor, t: SamplingTensors,
                  generator: torch.Generator | None = None) -> SamplerOutput:
         logits = logits.float()  # [N, V]
         if t.banned is not None:
             logits[t.banned] = float("-inf")
-        if t.repetition is not None:
-            logits = apply_penalties(logits, t)
-        logprobs = torch.log_softmax(logits, dim=-1) if t.max_logprobs is not None else None
-        greedy = logits.argmax(dim=-1)
-        tokens = greedy if t.all_greedy else self._draw(logits, t, greedy, generator)
+        if t.penalty_ids is not None:
+            apply_penalties(logits, t)
+        tokens = logits.argmax(dim=-1) if t.all_greedy else self._draw(logits, t, generator)
         out = SamplerOutput(tokens)
-        if logprobs is not None:
-            out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
-            out.ranks = (logprobs > out.logprobs[:, None]).sum(dim=-1) + 1
-            if t.max_logprobs > 0:
-                out.top_logprobs, out.top_ids = logprobs.topk(t.max_logprobs, dim=-1)
+        if t.max_logprobs is not None:
+            self._logprobs(logits, t, out)
         return out
 
-    def _draw(self, logits, t: SamplingTensors, greedy, generator) -> torch.Tensor:
-        is_greedy = t.temperatures == 0
-        temps = torch.where(is_greedy, torch.ones_like(t.temperatures), t.temperatures)
-        logits = logits / temps[:, None]
-        if t.top_k is not None or t.top_p is not None:
-            logits = apply_top_k_top_p(logits, t.top_k, t.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        if t.min_p is not None:
-            keep = probs >= t.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = torch.where(keep, probs, torch.zeros_like(probs))
-        # Gumbel-max in exponential form: argmax(p / E), E ~ Exp(1), draws from p.
-        noise = torch.empty_like(probs).exponential_(generator=generator)
-        for row, seed in t.seeded or ():
-            g = torch.Generator(device=probs.device).manual_seed(seed)
-            noise[row].exponential_(generator=g)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(is_greedy, greedy, sampled)
+    def _logprobs(self, logits: torch.Tensor, t: SamplingTensors, out: SamplerOutput) -> None:
+        """The asking rows' log-probabilities under the penalised logits (before temperature
+        and top-k/p): the sampled token's, its rank, the top max_logprobs. Each is its logit
+        minus the row's log-sum-exp, so no [A, V] log_softmax is built."""
+        rows = t.logprob_rows
+        tokens = out.tokens if rows is None else out.tokens[rows]
+        picked = logits.gather(1, tokens[:, None]) if rows is None else logits[rows, tokens][:, None]  # [A, 1]
+        m = logits.amax(dim=1, keepdim=True)
+        m = m if rows is None else m[rows]
+        scale = torch.full_like(m, math.log2(math.e))
+        sums = torch.cat([e.sum(dim=1) for _, e in _weights(logits, rows, m, scale, self._scratch_for(logits))])
+        lse = m.squeeze(1) + sums.log()
+        out.logprobs = picked.squeeze(1) - lse
+        out.ranks = _count_above(logits, rows, picked) + 1
+        if t.max_logprobs > 0:
+            vals, out.top_ids = top_candidates(logits, t.max_logprobs, rows)
+            out.top_logprobs = vals - lse[:, None]
+
+    def _draw(self, logits: torch.Tensor, t: SamplingTensors, generator) -> torch.Tensor:
+        """Greedy rows: argmax; the others: sample_rows."""
+        temps = t.temperatures.tolist()
+        sampled = [i for i, x in enumerate(temps) if x > 0]
+        keys = dict(t.seeded or ())
+        keys = [keys.get(i) for i in sampled]
+        scratch = self._scratch_for(logits)
+        if len(sampled) == len(temps):
+            return sample_rows(logits, None, RowSettings.build(t, None, logits.shape[1]), keys, generator, scratch)
+        dev = logits.device
+        tokens = torch.empty(len(temps), dtype=torch.long, device=dev)
+        greedy = torch.tensor([i for i, x in enumerate(temps) if x <= 0], dtype=torch.long, device=dev)
+        tokens[greedy] = logits[greedy].argmax(dim=-1)
+        rows = torch.tensor(sampled, dtype=torch.long, device=dev)
+        settings = RowSettings.build(t, rows, logits.shape[1])
+        tokens[rows] = sample_rows(logits, rows, settings, keys, generator, scratch)
+        return tokens
+
+    def _scratch_for(self, logits: torch.Tensor):
+        return self._buffer if logits.device.type == "cpu" else None
+
+    def _buffer(self, which: int, rows: int, vocab: int) -> torch.Tensor:
+        """CPU buffer `which` (0 or 1) as [rows, vocab] float32, the same memory from step to step."""
+        size = rows * vocab
+        if 2 * size > self._scratch.numel():
+            with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+                self._scratch = torch.empty(2 * size)
+        half = self._scratch.numel() // 2
+        return self._scratch[which * half:which * half + size].view(rows, vocab)
 
 
-def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """vLLM's definitions: repetition divides positive / multiplies negative logits of
-    tokens seen in the prompt or output; frequency and presence subtract per generated
-    occurrence / once per generated token."""
-    rep = t.repetition[:, None]
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(t.seen_mask, penalised, logits)
-    logits = logits - t.frequency[:, None] * t.output_counts
-    return logits - t.presence[:, None] * (t.output_counts > 0).to(logits.dtype)
+class RowSettings(NamedTuple):
+    """The settings of the n sampled rows ([n] tensors; None where no row uses one)."""
+
+    scale: torch.Tensor  # float32 log2(e) / T: weights 2 ** ((logit - max) * scale) (exp2 is cheaper)
+    k: torch.Tensor  # int64: candidates per row (top_k, or CANDIDATES when top_k is off)
+    top_k_on: torch.Tensor  # bool
+    top_p: torch.Tensor | None  # float32
+    min_p: torch.Tensor | None  # float32
+    k_list: list[int]  # k on the host
+    off_list: list[bool]  # rows with top_k off, on the host: they need the full weight Z
+
+    @staticmethod
+    def build(t: SamplingTensors, rows: torch.Tensor | None, vocab: int) -> "RowSettings":
+        def pick(x):
+            return x if x is None or rows is None else x[rows]
+
+        temps = pick(t.temperatures)
+        top_k = pick(t.top_k)
+        off = min(CANDIDATES, vocab)
+        values = [vocab] * len(temps) if top_k is None else top_k.tolist()
+        k_list = [k if k < vocab else off for k in values]
+        k = torch.tensor(k_list, dtype=torch.long, device=temps.device)
+        on = torch.zeros_like(k, dtype=torch.bool) if top_k is None else top_k < vocab
+        return RowSettings(math.log2(math.e) / temps, k, on, pick(t.top_p), pick(t.min_p), k_list,
+                           [x >= vocab for x in values])
+
+    def chunk(self, rows: slice) -> "RowSettings":
+        return RowSettings(*(None if x is None else x[rows] for x in self))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
-    if top_k is not None:
-        ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
-    if top_p is not None:
-        probs = torch.softmax(sorted_logits, dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-        drop = (before >= top_p[:, None]) & (top_p[:, None] < 1)  # rounding must not cut p=1 rows
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings,
+                keys: list[int | None], generator: torch.Generator | None, scratch=None) -> torch.Tensor:
+    """One token for each of the n sampled rows (rows of logits, None: all), [n] int64.
+    keys: each row's seeded key (seed_for_token), None for the generator's draws.
+    scratch(i, rows, vocab): CPU buffer i (0 or 1), reused from chunk to chunk (None: allocate)."""
+    vocab = logits.shape[1]
+    u = uniforms(keys, 0, generator, logits.device)
+    vals, ids = top_candidates(logits, max(s.k_list), rows)  # [n, k], largest first
+    m = vals[:, :1]
+    scale = s.scale[:, None]
+    w = torch.exp2((vals - m) * scale)  # candidate weights, the largest 1
+    w = torch.where(torch.arange(w.shape[1], device=w.device) < s.k[:, None], w, 0)
+    cum = w.cumsum(dim=1)
+    before = cum - w  # the weight of the more likely candidates
+    last = (s.k - 1)[:, None]
+    cand = cum.gather(1, last).squeeze(1)  # the weight of each row's candidates
+    c = CANDIDATES
+    # the kept set ends inside the candidates: top-k, or an option drops the last candidate
+    cut = s.top_k_on | (s.k >= vocab) | (w.gather(1, last).squeeze(1) == 0)
+    if s.min_p is not None:
+        cut |= w.gather(1, last).squeeze(1) < s.min_p
+    z = None
+    z_top = cand  # what top-p is a fraction of: the top-k set, or the whole vocabulary
+    tokens = torch.empty(len(keys), dtype=torch.long, device=logits.device)
+    past = torch.zeros(len(keys), dtype=torch.bool, device=logits.device)
+    if any(s.off_list):
+        sums = []
+        for part, e in _weights(logits, rows, m, scale, scratch):
+            sums.append(e.sum(dim=1))
+            inside = _inside(cut[part], before[part].gather(1, last[part]).squeeze(1), s.top_p, part,
+                             torch.where(s.top_k_on[part], cand[part], sums[-1]))
+            past[part] = ~inside & (u[part] * sums[-1] >= cand[part])
+            hit = past[part].nonzero().squeeze(1)
+            if len(hit):  # draw these rows now, while their weights are at hand
+                if len(hit) < len(e):
+                    out = None if scratch is None else scratch(1, len(hit), vocab)
+                    e = torch.index_select(e, 0, hit, out=out)
+                at = hit + part.start
+                tokens[at] = _draw_past_candidates(
+                    e, w[at, :c], cum[at, :c], ids[at, :c], u[at] * sums[-1][hit] - cand[at], sums[-1][hit],
+                    None if s.top_p is None else s.top_p[at], None if s.min_p is None else s.min_p[at],
+                    [keys[i] for i in at.tolist()], generator)
+        z = torch.cat(sums)
+        z_top = torch.where(s.top_k_on, cand, z)
+    keep = w > 0
+    if s.top_p is not None:
+        keep &= (before < s.top_p[:, None] * z_top[:, None]) | (s.top_p[:, None] >= 1)
+    if s.min_p is not None:
+        keep &= w >= s.min_p[:, None]
+    inside = _inside(cut, before.gather(1, last).squeeze(1), s.top_p, slice(None), z_top)
+    kept = cum.gather(1, (keep.sum(dim=1) - 1)[:, None]).squeeze(1)  # every option keeps a prefix
+    limit = torch.where(inside, kept, cand)
+    target = u * torch.where(inside, kept, z_top)
+    drawn = _locate(cum, ids, torch.minimum(target, torch.nextafter(limit, torch.zeros_like(limit))))
+    return torch.where(past, tokens, drawn)
+
+
+def _inside(cut: torch.Tensor, before_last: torch.Tensor, top_p: torch.Tensor | None, part: slice,
+            z_top: torch.Tensor) -> torch.Tensor:
+    """Rows whose kept set ends inside their candidates: cut already, or top-p drops the last
+    candidate (the weight before it reaches top_p * z_top)."""
+    if top_p is None:
+        return cut
+    return cut | ((before_last >= top_p[part] * z_top) & (top_p[part] < 1))
+
+
+def _weights(logits: torch.Tensor, rows: torch.Tensor | None, m: torch.Tensor, scale: torch.Tensor, scratch):
+    """(part, e) for chunks of the rows (rows of logits, None: all): e [c, V] every token's
+    weight 2 ** ((logit - max) * scale). On the CPU a chunk is a few MiB, in one buffer
+    that the next chunk reuses, so that its passes run in cache; elsewhere one chunk."""
+    n, vocab = len(m), logits.shape[1]
+    step = max(1, _CHUNK_BYTES // (4 * vocab)) if logits.device.type == "cpu" else n
+    for start in range(0, n, step):
+        part = slice(start, min(n, start + step))
+        out = None if scratch is None else scratch(0, part.stop - start, vocab)
+        if rows is None:
+            e = torch.sub(logits[part], m[part], out=out)
+        else:
+            e = torch.index_select(logits, 0, rows[part], out=out).sub_(m[part])
+        yield part, e.mul_(scale[part]).exp2_()
+
+
+def _draw_past_candidates(e, w, cum, ids, rest, z, top_p, min_p, keys, generator) -> torch.Tensor:
+    """Locate the rest of each row's draw among the tokens past its candidates (id order);
+    a token top-p or min-p drops is rejected, and the row draws again among the tokens
+    more likely than it, candidates first. e: [r, V] every token's weight (overwritten),
+    w / cum / ids: [r, CANDIDATES], rest / z: [r]."""
+    e.scatter_(1, ids, 0)  # the tokens past the candidates
+    tokens = torch.empty(len(keys), dtype=torch.long, device=e.device)
+    live = torch.arange(len(keys), device=e.device)  # rows still drawing
+    state = [e, w, cum, ids, z, top_p, min_p]
+    draw = 1
+    while True:
+        e, w, cum, ids, z, top_p, min_p = state
+        pick = _locate_by_blocks(e, rest)
+        wt = e.gather(1, pick[:, None])  # [r, 1]
+        ok = wt.squeeze(1) > 0  # 0: u * Z rounded past a tail of no weight; draw again
+        if top_p is not None:
+            above = _sum_above(e, wt) + torch.where(w > wt, w, 0).sum(dim=1)
+            ok &= (above < top_p * z) | (top_p >= 1)
+        if min_p is not None:
+            ok &= wt.squeeze(1) >= min_p
+        tokens[live[ok]] = pick[ok]
+        again = (~ok).nonzero().squeeze(1)
+        if len(again) == 0:
+            return tokens
+        # every token as likely as a rejected one is dropped too: draw again above it
+        live, wt, keys = live[again], wt[again], [keys[i] for i in again.tolist()]
+        state = [None if x is None else x[again] for x in state]
+        e, w, cum, ids = state[:4]
+        _zero_up_to(e, wt)
+        cand = torch.where(w > wt, w, 0).sum(dim=1)
+        target = uniforms(keys, draw, generator, e.device) * (cand + e.sum(dim=1))
+        draw += 1
+        inside = target < cand
+        tokens[live[inside]] = _locate(cum, ids, target)[inside]
+        past = (~inside).nonzero().squeeze(1)
+        if len(past) == 0:
+            return tokens
+        live, rest, keys = live[past], (target - cand)[past], [keys[i] for i in past.tolist()]
+        state = [None if x is None else x[past] for x in state]
+
+
+def _locate_by_blocks(e: torch.Tensor, target: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """The first token (id order) whose cumulative weight exceeds target, per row of e
+    [r, V]: block sums first, then a cumulative sum inside one block (cheaper than the
+    cumulative sum of the row)."""
+    r, vocab = e.shape
+    block = min(block, vocab)
+    full = vocab // block * block
+    sums = e[:, :full].view(r, -1, block).sum(dim=2)
+    if full < vocab:
+        sums = torch.cat([sums, e[:, full:].sum(dim=1, keepdim=True)], dim=1)
+    cs = sums.cumsum(dim=1)
+    target = torch.minimum(target.clamp(min=0), torch.nextafter(cs[:, -1], torch.zeros_like(target)))
+    j = torch.searchsorted(cs, target[:, None], right=True).clamp(max=cs.shape[1] - 1)  # [r, 1]
+    target = target[:, None] - (cs.gather(1, j) - sums.gather(1, j))
+    idx = (j * block + torch.arange(block, device=e.device)).clamp(max=vocab - 1)  # [r, block]
+    inner = torch.where(idx < vocab, e.gather(1, idx), 0).cumsum(dim=1)
+    target = torch.minimum(target, torch.nextafter(inner[:, -1:], torch.zeros_like(target)))
+    k = torch.searchsorted(inner, target, right=True).clamp(max=block - 1)
+    return idx.gather(1, k).squeeze(1)
+
+
+def _sum_above(e: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """Per row of e [r, V], the sum of the weights above wt [r, 1]. On the CPU row by row:
+    threshold takes a scalar, and a compare against a [r, 1] column is not vectorized."""
+    if e.device.type != "cpu":
+        return torch.where(e > wt, e, 0).sum(dim=1)
+    return torch.stack([F.threshold(row, x, 0.0).sum() for row, x in zip(e, wt.squeeze(1).tolist())])
+
+
+def _count_above(logits: torch.Tensor, rows: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """Per row (rows of logits, None: all), how many logits exceed x [n, 1]."""
+    if logits.device.type != "cpu":
+        return ((logits if rows is None else logits[rows]) > x).sum(dim=1)
+    index = range(len(logits)) if rows is None else rows.tolist()
+    return torch.tensor([int(torch.count_nonzero(logits[i] > v)) for i, v in zip(index, x.squeeze(1).tolist())])
+
+
+def _zero_up_to(e: torch.Tensor, wt: torch.Tensor) -> None:
+    """Zero every weight of e [r, V] at or below wt [r, 1], in place."""
+    if e.device.type != "cpu":
+        e.masked_fill_(e <= wt, 0)
+        return
+    for row, x in zip(e, wt.squeeze(1).tolist()):
+        F.threshold_(row, x, 0.0)
+
+
+def _locate(cum: torch.Tensor, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The token whose cumulative weight first exceeds target, per row."""
+    idx = torch.searchsorted(cum, target[:, None].contiguous(), right=True).clamp(max=cum.shape[1] - 1)
+    return ids.gather(1, idx).squeeze(1)
+
+
+def uniforms(keys: list[int | None], draw: int, generator: torch.Generator | None,
+             device: torch.device) -> torch.Tensor:
+    """One uniform in [0, 1) per row, float32: seeded rows from their key, the others from
+    the generator."""
+    seeded = [(i, seeded_uniform(k, draw)) for i, k in enumerate(keys) if k is not None]
+    if len(seeded) == len(keys):
+        return torch.tensor([x for _, x in seeded], dtype=torch.float32, device=device)
+    u = torch.rand(len(keys), generator=generator, device=device)
+    if seeded:
+        rows, values = zip(*seeded)
+        u[torch.tensor(rows, device=device)] = torch.tensor(values, dtype=torch.float32, device=device)
+    return u
+
+
+def top_candidates(logits: torch.Tensor, k: int,
+                   rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest logits of each row (rows of logits, None: all) and their token ids,
+    [n, k] each, largest first (ties: lower id first). The k largest lie in the k blocks
+    with the largest maxima, so after one pass of block maxima only those are searched."""
+    vocab = logits.shape[1]
+    n = len(logits) if rows is None else len(rows)
+    block = 2 ** round(math.log2(max(1.0, math.sqrt(vocab / k))))
+    num_blocks = vocab // block
+    if block < 8 or num_blocks < 4 * k:
+        vals, ids = (logits if rows is None else logits[rows]).topk(k, dim=1, sorted=False)
+    else:
+        full = num_blocks * block
+        blocks = logits[:, :full].view(len(logits), num_blocks, block)
+        maxima = blocks.amax(dim=2)  # [N, num_blocks], for every row: cheaper than picking rows first
+        top = (maxima if rows is None else maxima[rows]).topk(k, dim=1, sorted=False).indices  # [n, k]
+        index = (torch.arange(n, device=logits.device) if rows is None else rows)[:, None]
+        pool = blocks[index, top].view(n, k * block)
+        pool_ids = (top[:, :, None] * block + torch.arange(block, device=logits.device)).view(n, k * block)
+        if full < vocab:  # the ragged end joins every row's pool
+            pool = torch.cat([pool, logits[:, full:] if rows is None else logits[rows, full:]], dim=1)
+            pool_ids = torch.cat([pool_ids, torch.arange(full, vocab, device=logits.device).expand(n, -1)], dim=1)
+        vals, pos = pool.topk(k, dim=1, sorted=False)
+        ids = pool_ids.gather(1, pos)
+    ids, order = ids.sort(dim=1)
+    vals, order = vals.gather(1, order).sort(dim=1, descending=True, stable=True)
+    return vals, ids.gather(1, order)
+
+
+def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> None:
+    """vLLM's definitions, in place on the (row, token) pairs seen: repetition divides
+    positive / multiplies negative logits of tokens in the prompt or output; frequency and
+    presence subtract per generated occurrence / once per generated token."""
+    rows, ids, counts = t.penalty_rows, t.penalty_ids, t.penalty_counts
+    vals = logits[rows, ids]
+    rep = t.repetition[rows]
+    vals = torch.where(vals > 0, vals / rep, vals * rep)
+    vals -= t.frequency[rows] * counts + t.presence[rows] * (counts > 0)
+    logits[rows, ids] = vals
+
+
+class TokenCounts:
+    """One sequence's penalty state, kept across its steps: its distinct prompt and output
+    tokens, and how often each was generated. update() counts the tokens generated since
+    the last call, so a step costs the new tokens, not the sequence."""
+
+    __slots__ = ("tokens", "num_prompt", "ids", "counts", "index", "num_counted")
+
+    def __init__(self, tokens: list[int], num_prompt: int):
+        self.tokens = tokens  # the sequence's own list, which only grows
+        self.num_prompt = num_prompt
+        self.index = {tok: i for i, tok in enumerate(dict.fromkeys(tokens[:num_prompt]))}
+        self.ids = array("q", self.index)
+        self.counts = array("f", bytes(4 * len(self.ids)))
+        self.num_counted = 0
+
+    def update(self) -> None:
+        new = self.tokens[self.num_prompt + self.num_counted:]
+        for tok in new:
+            i = self.index.get(tok)
+            if i is None:
+                self.index[tok] = len(self.ids)
+                self.ids.append(tok)
+                self.counts.append(1.0)
+            else:
+                self.counts[i] += 1
+        self.num_counted += len(new)

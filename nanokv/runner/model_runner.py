@@ -13,7 +13,7 @@ from nanokv.distributed import TP
 from nanokv.engine.types import ScheduledBatch, ScheduledSeq, StepOutput, TokenLogprobs
 from nanokv.layers.attention import Attention
 from nanokv.layers.custom_op import choose_kernels
-from nanokv.layers.sampler import Sampler, SamplerOutput, SamplingTensors, seed_for_token
+from nanokv.layers.sampler import Sampler, SamplerOutput, SamplingTensors, TokenCounts, seed_for_token
 from nanokv.loader import build_model
 from nanokv.models import get_model_class
 from nanokv.runner.cuda_graph import DecodeGraphs
@@ -71,6 +71,7 @@ class ModelRunner:
         self.graphs = None
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.token_counts: dict[int, TokenCounts] = {}  # seq_id -> penalty state, while it runs
         self.eos_token_ids = list(config.eos_token_ids)
         self.num_steps = 0
         self.forward_seconds = 0.0  # model forward + LM head, measured only after reset_timers()
@@ -170,6 +171,8 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor | None, batch: ScheduledBatch) -> StepOutput:
         """The next token of each sampling sequence from the whole-vocabulary logits [N, vocab]."""
+        for seq_id in batch.freed_seq_ids:
+            self.token_counts.pop(seq_id, None)
         if logits is None:
             return StepOutput()
         rows = [s for s in batch.seqs if s.sample]
@@ -200,7 +203,7 @@ class ModelRunner:
                       if s.seed is not None and not s.params.greedy]
             t.seeded = seeded or None
         if any(p.has_penalties for p in params):
-            self._penalty_tensors(t, rows, vocab)
+            self._penalty_tensors(t, rows)
         banned_rows, banned_ids = [], []
         for i, s in enumerate(rows):
             if s.num_generated < s.params.min_tokens:
@@ -209,31 +212,32 @@ class ModelRunner:
                 banned_ids += stop_ids
         if banned_rows:
             t.banned = (column(banned_rows, torch.long), column(banned_ids, torch.long))
-        asked = [p.logprobs for p in params if p.logprobs is not None]
-        t.max_logprobs = max(asked) if asked else None
+        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if asked:
+            t.max_logprobs = max(params[i].logprobs for i in asked)
+            t.logprob_rows = None if len(asked) == len(rows) else column(asked, torch.long)
         return t
 
-    def _penalty_tensors(self, t: SamplingTensors, rows: list[ScheduledSeq], vocab: int) -> None:
+    def _penalty_tensors(self, t: SamplingTensors, rows: list[ScheduledSeq]) -> None:
+        """Per-row penalty values, and the penalised rows' distinct tokens from counts kept
+        per sequence across steps (a step counts only its new tokens)."""
         dev = self.device
         t.repetition = torch.tensor([s.params.repetition_penalty for s in rows], device=dev)
         t.presence = torch.tensor([s.params.presence_penalty for s in rows], device=dev)
         t.frequency = torch.tensor([s.params.frequency_penalty for s in rows], device=dev)
-        out_rows, out_ids, seen_rows, seen_ids = [], [], [], []
+        penalised, counts = [], []
         for i, s in enumerate(rows):
             if s.params.has_penalties:
-                output = s.all_token_ids[s.num_prompt_tokens:]
-                out_rows += [i] * len(output)
-                out_ids += output
-                seen_rows += [i] * len(s.all_token_ids)
-                seen_ids += s.all_token_ids
-        counts = torch.zeros(len(rows), vocab, device=dev)
-        counts.index_put_((torch.tensor(out_rows, dtype=torch.long, device=dev),
-                           torch.tensor(out_ids, dtype=torch.long, device=dev)),
-                          torch.ones(len(out_ids), device=dev), accumulate=True)
-        seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
-        seen[torch.tensor(seen_rows, dtype=torch.long, device=dev),
-             torch.tensor(seen_ids, dtype=torch.long, device=dev)] = True
-        t.output_counts, t.seen_mask = counts, seen
+                state = self.token_counts.get(s.seq_id)
+                if state is None or state.tokens is not s.all_token_ids:  # first step, or a stale entry
+                    state = self.token_counts[s.seq_id] = TokenCounts(s.all_token_ids, s.num_prompt_tokens)
+                state.update()
+                penalised.append(i)
+                counts.append(state)
+        sizes = torch.tensor([len(c.ids) for c in counts])
+        t.penalty_rows = torch.repeat_interleave(torch.tensor(penalised), sizes).to(dev)
+        t.penalty_ids = torch.cat([torch.frombuffer(c.ids, dtype=torch.int64) for c in counts]).to(dev)
+        t.penalty_counts = torch.cat([torch.frombuffer(c.counts, dtype=torch.float32) for c in counts]).to(dev)
 
     # ---- inputs (runner/inputs.py) ---------------------------------------------------------
     @property
@@ -268,17 +272,18 @@ def _keep_rows(rows: torch.Tensor | None, device: torch.device) -> torch.Tensor:
 
 
 def _logprobs(rows: list[ScheduledSeq], out: SamplerOutput) -> list[TokenLogprobs | None] | None:
+    """Each row's TokenLogprobs (None where it did not ask); out holds the asking rows only."""
     if out.logprobs is None:
         return None
-    lp, ranks = out.logprobs.tolist(), out.ranks.tolist()
-    top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-    top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    lp, ranks = iter(out.logprobs.tolist()), iter(out.ranks.tolist())
+    top_ids = iter(out.top_ids.tolist()) if out.top_ids is not None else None
+    top_lp = iter(out.top_logprobs.tolist()) if out.top_logprobs is not None else None
     result: list[TokenLogprobs | None] = []
-    for i, s in enumerate(rows):
+    for s in rows:
         n = s.params.logprobs
         if n is None:
             result.append(None)
-        else:
-            result.append(TokenLogprobs(lp[i], ranks[i], top_ids[i][:n] if n else [],
-                                        top_lp[i][:n] if n else []))
+            continue
+        ids, lps = (next(top_ids), next(top_lp)) if top_ids is not None else ([], [])
+        result.append(TokenLogprobs(next(lp), next(ranks), ids[:n], lps[:n]))
     return result

@@ -269,3 +269,28 @@ def test_aborted_and_stopped_sequences_are_listed_as_freed():
     assert [s.seq_id for s in batch.seqs] == [c.seq_id] and batch.freed_seq_ids == [a.seq_id, b.seq_id]
     sched.update(batch, runner.execute(batch))
     assert sched.schedule().freed_seq_ids == []
+
+
+def test_freed_seq_ids_hand_over_every_finish_abort_and_preemption_once():
+    """The runner drops per-sequence state by these ids: each finish, abort and preemption
+    reaches it exactly once, on the next batch that has sequences."""
+    sched, runner = make_engine(num_blocks=16, block_size=4, max_num_seqs=8, budget=64)
+    seqs = [add(sched, [(7 * i + j) % 50 for j in range(10 + 3 * i)], max_tokens=20) for i in range(6)]
+    expected, handed = Counter(), Counter()
+    step = 0
+    while sched.has_unfinished():
+        before = {s.seq_id for s in sched.running}
+        batch = sched.schedule()
+        expected.update(s.seq_id for s in seqs if s.seq_id in before and s.status is SequenceStatus.WAITING)
+        handed.update(batch.freed_seq_ids)
+        assert batch.seqs or not batch.freed_seq_ids
+        expected.update(s.seq_id for s in sched.update(batch, runner.execute(batch)))
+        step += 1
+        if step == 3 and not seqs[5].is_finished:
+            sched.abort(seqs[5])
+            expected[seqs[5].seq_id] += 1
+    assert sched.num_preemptions > 0 and handed != expected  # the last finishes are still held
+    assert sched.schedule().freed_seq_ids == []  # an empty batch never reaches the runner
+    add(sched, [1, 2, 3], max_tokens=1)
+    handed.update(sched.schedule().freed_seq_ids)  # the next batch that runs carries them
+    assert handed == expected
