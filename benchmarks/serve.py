@@ -627,7 +627,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply every workload's token counts (prompts, outputs) by this (a smoke run: 0.25)")
     p.add_argument("--request-rates", default="0.5,1,2",
-                   help="the random workload's Poisson arrival rates, requests/s (default 0.5,1,2)")
+                   help="the random workload's Poisson arrival rates, requests/s (default 0.5,1,2; '': only "
+                        "the concurrency run)")
     p.add_argument("--max-concurrency", type=int, default=16,
                    help="clients in flight in the concurrency runs (random's last run, shared-prefix, multi-turn)")
     p.add_argument("--kv-tokens", type=int, default=32768, help="every engine's KV capacity in tokens")
@@ -661,6 +662,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.specs = [workload_spec(w, args.num_requests, args.scale) for w in args.workloads]
     except ValueError as e:
         p.error(str(e))
+    if args.llama_server and not (os.path.isfile(args.llama_server) and os.access(args.llama_server, os.X_OK)):
+        p.error(f"--llama-server {args.llama_server}: not an executable file")
     for name in args.urls:
         if name not in ENGINES:
             p.error(f"--url {name}=...: unknown engine; engines: {', '.join(ENGINES)}")
