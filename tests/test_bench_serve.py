@@ -109,7 +109,8 @@ def run_bench(*args: str) -> dict:
 @pytest.mark.slow
 def test_bench_serve_shares_prefixes_on_nanokv(model_dir):
     report = run_bench("--model", model_dir, "--engines", "nanokv,nanokv-no-prefix-cache,llama.cpp",
-                       "--workload", "shared-prefix,multi-turn", "--num-requests", "16", "--scale", "0.125", "--request-rates", "8", "--max-concurrency", "4",
+                       "--workload", "shared-prefix,multi-turn", "--num-requests", "16", "--scale", "0.125",
+                       "--max-concurrency", "4",
                        "--kv-tokens", "4096")
     runs = {(r["workload"], r["engine"], r["load"]): r for r in report["runs"]}
     assert sorted(runs) == [("multi-turn", "nanokv", "concurrency 4"),
