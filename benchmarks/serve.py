@@ -230,8 +230,10 @@ class Engine:
             return exe + ["serve", s.model_dir, "--continuous-batching", *host, "--device", "cpu", "--dtype",
                           "float32", "--log-level", "warning", "--cb-num-blocks", str(max(1, s.kv_tokens // 256)),
                           "--cb-max-batch-tokens", str(s.max_num_batched_tokens)], env
-        return [s.llama_server, "-m", s.gguf, *host, "--alias", "served", "-c", str(s.kv_tokens),
-                "-np", "32", "-t", str(s.threads), "-tb", str(s.threads), "-b", str(s.max_num_batched_tokens),
+        # one KV pool shared by every slot (-kvu), as nanokv's and transformers' are; 64 slots:
+        # the most sequences it runs at once
+        return [s.llama_server, "-m", s.gguf, *host, "--alias", "served", "-c", str(s.kv_tokens), "-kvu",
+                "-np", "64", "-t", str(s.threads), "-tb", str(s.threads), "-b", str(s.max_num_batched_tokens),
                 "--no-webui", "--log-disable"], env
 
     def body(self, messages: list[dict], max_tokens: int) -> dict:
@@ -330,6 +332,7 @@ class RequestResult:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)  # gaps between content chunks
     prompt_tokens: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where a server reports it
     output_tokens: int = 0
     expected_tokens: int = 0
     text: str = ""
@@ -372,6 +375,9 @@ async def _stream(client, engine: Engine, messages: list[dict], max_tokens: int,
             if obj.get("usage"):
                 result.prompt_tokens = obj["usage"].get("prompt_tokens", 0)
                 result.output_tokens = obj["usage"].get("completion_tokens", 0)
+                details = obj["usage"].get("prompt_tokens_details") or {}
+                if details.get("cached_tokens") is not None:
+                    result.cached_tokens = details["cached_tokens"]
             if obj.get("timings"):
                 result.server_timings = obj["timings"]
             for choice in obj.get("choices") or []:
@@ -501,6 +507,9 @@ def summarize(results: list[RequestResult], seconds: float) -> dict:
         e2e_s_p50=None if not e2e else round(percentile(e2e, 50), 2),
         e2e_s_p99=None if not e2e else round(percentile(e2e, 99), 2),
         errors=sorted({r.error for r in results if not r.ok})[:5])
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    if cached:  # the server's own count of prompt tokens it did not compute (llama-server)
+        summary["cached_prompt_tokens"] = sum(cached)
     timings = [r.server_timings for r in ok if r.server_timings]
     if timings:  # llama-server's own split of its time: prompt processing vs generation
         summary["server_prompt_ms"] = round(sum(t.get("prompt_ms", 0) for t in timings), 1)
@@ -568,6 +577,8 @@ def table_rows(rows: list[dict]) -> list[str]:
     for r in rows:
         n = r.get("nanokv") or {}
         hits = "-" if n.get("prefix_cache_hit_rate") is None else f"{100 * n['prefix_cache_hit_rate']:.0f}%"
+        if "cached_prompt_tokens" in r and r["prompt_tokens"]:  # as the server's usage reports it
+            hits = f"{100 * r['cached_prompt_tokens'] / r['prompt_tokens']:.0f}% (usage)"
         peak = "-" if not n else f"{n['peak_kv_used_blocks']:,} / {n['kv_total_blocks']:,} blocks"
         lines.append(
             f"| {r['workload']} | {LABELS.get(r['engine'], r['engine'])} | {r['load']} | "
@@ -698,9 +709,8 @@ def main(argv: list[str] | None = None) -> int:
                 for load in loads_for(workload, args.rates, args.max_concurrency):
                     row = run_one(engine, workload, sessions, load, args)
                     rows.append(row)
-                    if not args.json:
-                        print(f"# {workload}, {name}, {load.label}: {row['completed']} / {row['requests']} "
-                              f"completed, {_num(row['output_tok_per_s'])} output tok/s", file=sys.stderr, flush=True)
+                    print(f"# {workload}, {name}, {load.label}: {row['completed']} / {row['requests']} "
+                          f"completed, {_num(row['output_tok_per_s'])} output tok/s", file=sys.stderr, flush=True)
     import torch
 
     report = dict(model=args.model, workloads={spec.pop("name"): spec for spec in args.specs}, scale=args.scale,

@@ -72,7 +72,13 @@ def test_loads_arrivals_and_statistics():
     assert (s["completed"], s["failed"], s["output_tokens"], s["expected_output_tokens"]) == (2, 1, 4, 13)
     assert (s["output_tok_per_s"], s["request_per_s"]) == (2.0, 1.0)
     assert (s["ttft_ms_p50"], s["tpot_ms_p50"], s["itl_ms_p99"], s["e2e_s_p50"]) == (200.0, 500.0, 500.0, 0.7)
-    assert s["errors"] == ["HTTP 503"]
+    assert s["errors"] == ["HTTP 503"] and "cached_prompt_tokens" not in s
+
+    cached = serve.summarize([R(True, ttft=0.1, e2e=0.2, output_tokens=2, prompt_tokens=40, cached_tokens=30),
+                              R(True, ttft=0.1, e2e=0.2, output_tokens=2, prompt_tokens=60, cached_tokens=0)], 1.0)
+    assert cached["cached_prompt_tokens"] == 30
+    row = dict(workload="w", engine="llama.cpp", load="concurrency 2", requests=2, **cached)
+    assert "| 30% (usage) | - |" in serve.table_rows([row])[2]
 
 
 def test_metrics_parsing_and_the_request_bodies():
