@@ -103,7 +103,7 @@ def test_200_streams_from_64_clients_with_a_quarter_cancelled(model_dir, tmp_pat
         cancelled = set(rng.sample(range(200), 50))
         # a cancelled stream is left after k content chunks, or its task is cancelled after a delay
         # (before or after its first byte)
-        plans = {i: ("chunks", rng.randint(0, 6)) if i % 2 else ("timer", rng.uniform(0, 0.4)) for i in cancelled}
+        plans = {i: ("chunks", rng.randint(0, 4)) if i % 2 else ("timer", rng.uniform(0, 0.4)) for i in cancelled}
         before = metrics(server.url)
         outcomes = asyncio.run(asyncio.wait_for(_load(server.url, specs, jobs, plans), 240))
 
@@ -111,8 +111,10 @@ def test_200_streams_from_64_clients_with_a_quarter_cancelled(model_dir, tmp_pat
         assert len(ids) == len(set(ids)), "two responses share an id"
         completed = [i for i in range(200) if i not in cancelled]
         assert sorted(outcomes) == list(range(200))  # every request was sent once
-        cut = [i for i in cancelled if not outcomes[i]["done"]]
-        assert len(cut) >= len(cancelled) // 2  # most were really cut mid-stream, not finished first
+        # every request asks for 6 tokens or more: those left after 1-5 chunks are cut mid-stream (unless
+        # EOS came first); a timer may fire after the end
+        by_chunks = [i for i in cancelled if plans[i][0] == "chunks"]
+        assert sum(not outcomes[i]["done"] for i in by_chunks) >= 0.8 * len(by_chunks)
         for i in completed:
             o, (texts, reasons, tokens) = outcomes[i], expected[jobs[i][1]]
             assert o["done"], (i, o)
@@ -291,8 +293,8 @@ async def _good_and_bad(url: str, good: dict, bodies: list) -> tuple[list, list]
 def test_a_burst_past_max_waiting_gets_503_with_retry_after(model_dir, tmp_path):
     server = start(model_dir, tmp_path, "--max-waiting", "4", "--max-num-seqs", "2")
     try:
-        specs = [dict(kind="completions", prompt=" ".join(WORDS[i:i + 5]), max_tokens=48, temperature=0)
-                 for i in range(8)]
+        specs = [dict(kind="completions", prompt=" ".join(WORDS[i:i + 5]), max_tokens=96, temperature=0,
+                      extra_body={"ignore_eos": True}) for i in range(8)]  # long enough to outlast the burst
         expected = sequential(server.url, specs)
         results = asyncio.run(asyncio.wait_for(_burst(server.url, specs, 64), 240))
         ok = [r for r in results if r[0] == 200]
@@ -315,7 +317,7 @@ async def _burst(url: str, specs: list[dict], count: int) -> list:
     async def one(http, i: int):
         spec = specs[i % len(specs)]
         body = {"model": "tiny", "prompt": spec["prompt"], "max_tokens": spec["max_tokens"], "temperature": 0,
-                "stream": bool(i % 2)}
+                "ignore_eos": True, "stream": bool(i % 2)}
         async with http.stream("POST", url + "/v1/completions", json=body) as resp:
             raw = await resp.aread()
         if resp.status_code != 200:
