@@ -683,6 +683,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    # SIGTERM unwinds like Ctrl-C: the running server is stopped on the way out
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="nanokv-bench-serve-") as scratch:
         model_dir, gguf = resolve_model(args.model, scratch)
