@@ -3,6 +3,7 @@
     python bench.py                                  # on a CPU: SmolLM2, workloads cpu and chat
     python bench.py --workload nano --shape qwen3-0.6b   # nano-vllm's workload (the GPU default)
     python bench.py --model /path/to/model --workload cpu --json
+    python bench.py serve                            # servers under load: benchmarks/serve.py
 
 Every engine runs the same requests (EOS ignored, fixed seeds) in this process and is
 credited only with the output tokens each request asked for: HF generate has to run each
@@ -1206,4 +1207,10 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import sys
+
+    if sys.argv[1:2] == ["serve"]:  # the serving benchmark: benchmarks/serve.py
+        from benchmarks.serve import main as serve_main
+
+        sys.exit(serve_main(sys.argv[2:]))
     main()

@@ -125,3 +125,17 @@ def metrics(url: str) -> dict:
             key = sample.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else "")
             values[key] = sample.value
     return values
+
+
+def wait_idle(url: str, timeout: float = 10) -> dict:
+    """The metrics once nothing runs or waits and no KV block is in use; fails after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        idle = (m["nanokv:num_requests_running"], m["nanokv:num_requests_waiting"],
+                m["nanokv:kv_cache_used_blocks"], m["nanokv:kv_cache_usage_perc"],
+                m["nanokv:kv_cache_fragmentation_tokens"]) == (0, 0, 0, 0, 0)
+        if idle or time.monotonic() > deadline:
+            assert idle, {k: v for k, v in m.items() if "bucket" not in k}
+            return m
+        time.sleep(0.05)

@@ -184,3 +184,54 @@ def test_serve_flag_errors_exit_2(capsys):
     assert "nanokv serve: error: " in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--port", "70000"])
+
+
+def test_max_tokens_past_max_model_len_is_400_and_shorter_ones_are_clamped(offline):
+    llm, app = app_for(offline)  # max_model_len 256
+
+    async def main():
+        llm.start()
+        async with client(app) as http:
+            over = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 257})
+            huge = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                                  "max_completion_tokens": 10**30})
+            fits = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 256, "ignore_eos": True})
+        llm.shutdown()
+        return over, huge, fits
+
+    over, huge, fits = run(main())
+    assert check_error(over, 400, "max_tokens=257 is more than max_model_len (256)")["param"] == "max_tokens"
+    assert check_error(huge, 400, "more than max_model_len")["param"] == "max_completion_tokens"
+    assert fits.status_code == 200 and fits.json()["choices"][0]["finish_reason"] == "length"
+    assert fits.json()["usage"]["total_tokens"] == 256  # clamped to what the prompt leaves
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(offline, monkeypatch):
+    from nanokv.entrypoints.openai import protocol
+
+    llm, app = app_for(offline)  # max_model_len 256; the tiny tokenizer's longest token has 16 characters
+    tokenized = []
+    make_request, render_chat = llm.engine.make_request, protocol.render_chat
+    monkeypatch.setattr(llm.engine, "make_request", lambda prompt, *a, **k: tokenized.append(len(str(prompt)))
+                        or make_request(prompt, *a, **k))
+    monkeypatch.setattr(protocol, "render_chat", lambda tok, messages, *a: tokenized.append("chat")
+                        or render_chat(tok, messages, *a))
+
+    async def main():
+        llm.start()
+        async with client(app) as http:
+            answers = [await http.post("/v1/completions", json={"prompt": "x" * 4097}),
+                       await http.post("/v1/completions", json={"prompt": ["Hi", "y" * 10_000_000]}),
+                       await http.post("/v1/chat/completions", json={"messages": [
+                           {"role": "system", "content": "z" * 3000}, {"role": "user", "content": "w" * 1100}]}),
+                       await http.post("/v1/completions", json={"prompt": "word " * 800})]  # 4,000: tokenized
+        llm.shutdown()
+        return answers
+
+    long, batch, chat, tokenized_long = run(main())
+    assert check_error(long, 400, "prompt has 4097 characters: more than max_model_len (256) tokens")["param"] \
+        == "prompt"
+    check_error(batch, 400, "prompt has 10000000 characters")
+    assert check_error(chat, 400, "messages has 4110 characters")["param"] == "messages"
+    check_error(tokenized_long, 400, "tokens but max_model_len is 256")
+    assert tokenized == [4000]  # only the last one reached the tokenizer

@@ -22,7 +22,7 @@ pytest.importorskip("fastapi")
 
 from nanokv import LLM, SamplingParams  # noqa: E402
 
-from .conftest import API_KEY, Server, metrics, server_env  # noqa: E402
+from .conftest import API_KEY, Server, metrics, server_env, wait_idle  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -262,16 +262,7 @@ def test_32_concurrent_streams_equal_sequential_runs(server, client):
 
 def assert_idle(server, timeout: float = 10) -> dict:
     """Within `timeout`: nothing running or waiting, no KV block in use."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(server.url)
-        idle = (m["nanokv:num_requests_running"], m["nanokv:num_requests_waiting"],
-                m["nanokv:kv_cache_used_blocks"], m["nanokv:kv_cache_usage_perc"],
-                m["nanokv:kv_cache_fragmentation_tokens"]) == (0, 0, 0, 0, 0)
-        if idle or time.monotonic() > deadline:
-            assert idle, {k: v for k, v in m.items() if "bucket" not in k}
-            return m
-        time.sleep(0.05)
+    return wait_idle(server.url, timeout)
 
 
 def successes(m: dict) -> float:

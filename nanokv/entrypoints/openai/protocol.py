@@ -48,6 +48,36 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What a request must fit, checked before any tokenizing."""
+
+    max_model_len: int
+    max_token_chars: int  # the longest token's text: a prompt of more than max_model_len times
+    #                       this many characters cannot fit max_model_len tokens
+
+    @classmethod
+    def of(cls, tokenizer, max_model_len: int) -> "Limits":
+        tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        return cls(max_model_len, max(len(t) for t in tokens if isinstance(t, str)))
+
+    def check_text(self, num_chars: int, field: str) -> None:
+        """A 400 for text too long for any tokenization to fit max_model_len (tokenizing
+        megabytes costs seconds of CPU that other requests need)."""
+        if num_chars > self.max_model_len * self.max_token_chars:
+            raise bad_request(f"{field} has {num_chars} characters: more than max_model_len ({self.max_model_len}) "
+                              f"tokens can hold (a token is at most {self.max_token_chars} characters); "
+                              "shorten it", field)
+
+    def check_max_tokens(self, params: SamplingParams, name: str) -> None:
+        """A 400 for a max_tokens no request can use (more than max_model_len: OpenAI and
+        vLLM refuse it too); one that merely exceeds the room after the prompt is clamped."""
+        if params.max_tokens is not None and params.max_tokens > self.max_model_len:
+            raise bad_request(f"{name}={_show(params.max_tokens)} is more than max_model_len "
+                              f"({self.max_model_len}), which prompt and output share; lower it, or send null "
+                              "for as many as fit", name)
+
+
 @dataclass
 class GenerationRequest:
     """A completions or chat request, validated (not yet against the model's limits,
@@ -112,11 +142,14 @@ _UNSUPPORTED_CHAT = {
 }
 
 
-def parse_completion(body: dict, model_names: list[str]) -> GenerationRequest:
+def parse_completion(body: dict, model_names: list[str], limits: Limits) -> GenerationRequest:
     """POST /v1/completions."""
     _check_unsupported(body, _UNSUPPORTED_COMPLETION)
     model = _model(body, model_names)
     prompts = _prompts(body.get("prompt"))
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            limits.check_text(len(prompt), "prompt")
     kwargs = _sampling_kwargs(body)
     # OpenAI's and vLLM's default is 16 tokens; an explicit null means up to max_model_len
     kwargs["max_tokens"] = body["max_tokens"] if "max_tokens" in body else 16
@@ -125,16 +158,19 @@ def parse_completion(body: dict, model_names: list[str]) -> GenerationRequest:
         kwargs["logprobs"] = logprobs
     names = {"max_tokens": "max_tokens", "logprobs": "logprobs"}
     params = _sampling_params(kwargs, names)
+    limits.check_max_tokens(params, "max_tokens")
     stream, include_usage, continuous = _stream(body)
     return GenerationRequest(model, prompts, params, stream, include_usage, continuous, params.logprobs,
                              {"prompt": "prompt", **names})
 
 
-def parse_chat(body: dict, model_names: list[str], tokenizer) -> GenerationRequest:
+def parse_chat(body: dict, model_names: list[str], tokenizer, limits: Limits) -> GenerationRequest:
     """POST /v1/chat/completions; the messages are rendered with the chat template."""
     _check_unsupported(body, _UNSUPPORTED_CHAT)
     model = _model(body, model_names)
     messages = _messages(body.get("messages"))
+    limits.check_text(sum(len(m["content"]) + len(m["role"]) + len(m.get("name", "")) for m in messages),
+                      "messages")
     add_generation_prompt = _get(body, "add_generation_prompt", bool, "true or false", True)
     kwargs = _sampling_kwargs(body)
     names = {"prompt": "messages"}
@@ -150,6 +186,7 @@ def parse_chat(body: dict, model_names: list[str], tokenizer) -> GenerationReque
         kwargs["logprobs"] = 0 if top is None else top
         names["logprobs"] = "top_logprobs"
     params = _sampling_params(kwargs, names)
+    limits.check_max_tokens(params, names["max_tokens"])
     stream, include_usage, continuous = _stream(body)
     try:
         prompt = render_chat(tokenizer, messages, None, add_generation_prompt)

@@ -24,7 +24,8 @@ from starlette.responses import Response, StreamingResponse
 from nanokv.async_llm import AsyncLLM, QueueFullError, RequestAbortedError, RequestStream
 from nanokv.engine.types import EngineDeadError
 from nanokv.entrypoints.openai.protocol import (
-    APIError, GenerationRequest, bad_request, error_body, param_of, parse_chat, parse_completion, rename_fields)
+    APIError, GenerationRequest, Limits, bad_request, error_body, param_of, parse_chat, parse_completion,
+    rename_fields)
 from nanokv.output_processor import RequestState
 from nanokv.outputs import CompletionOutput, Logprob
 
@@ -103,6 +104,7 @@ class OpenAIServing:
         self.llm = llm
         self.model_names = model_names
         self.token_text = TokenText(llm.tokenizer)
+        self.limits = Limits.of(llm.tokenizer, llm.config.max_model_len)
 
     async def completions(self, body: dict, request: Request, *, offload: bool = False) -> Response:
         """offload: validate and tokenize in a worker thread (a big body must not stall
@@ -146,8 +148,8 @@ class OpenAIServing:
 
     def _prepare(self, body: dict, chat: bool, response_id: str) -> tuple[GenerationRequest, list[RequestState]]:
         """The body, validated, as engine requests (nothing queued yet)."""
-        gen = (parse_chat(body, self.model_names, self.llm.tokenizer) if chat
-               else parse_completion(body, self.model_names))
+        gen = (parse_chat(body, self.model_names, self.llm.tokenizer, self.limits) if chat
+               else parse_completion(body, self.model_names, self.limits))
         self.llm.check_room(len(gen.prompts) * gen.params.n)  # before tokenizing a big batch
         return gen, self._make_requests(gen, response_id)
 
