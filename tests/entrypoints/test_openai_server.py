@@ -12,7 +12,6 @@ import json
 import random
 import subprocess
 import sys
-import time
 
 import pytest
 
