@@ -383,6 +383,7 @@ def test_bad_sampling_values(kwargs):
 def test_greedy_tokens_equal_argmax_with_ties_infinities_and_nans(vocab):
     """The CPU's block-maxima argmax picks exactly argmax's ids: ties go to the lowest id
     (also across blocks), all -inf rows, +inf, NaN rows, and strided views."""
+    threads = torch.get_num_threads()
     g = torch.Generator().manual_seed(vocab)
     logits = torch.randn(64, vocab, generator=g)
     logits[1:8] = torch.randint(0, 3, (7, vocab), generator=g).float()  # many ties
@@ -398,3 +399,4 @@ def test_greedy_tokens_equal_argmax_with_ties_infinities_and_nans(vocab):
     wide = torch.randn(32, 2 * vocab, generator=g)
     assert torch.equal(greedy_tokens(wide[:, :vocab]), wide[:, :vocab].argmax(dim=-1))
     assert torch.equal(greedy_tokens(wide[::2, vocab:]), wide[::2, vocab:].argmax(dim=-1))
+    assert torch.get_num_threads() == threads  # one_thread() gave the threads back

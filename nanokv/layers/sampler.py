@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -38,6 +39,7 @@ CANDIDATES = 64  # tokens sorted per row when top_k is off (SmolLM2 at T 0.8: 88
 _CHUNK_BYTES = 4 << 20  # CPU: rows of token weights per chunk
 _MASK = (1 << 64) - 1
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio increment: spreads (seed, step) pairs
+_SERIAL_ELEMENTS = 1 << 20  # greedy_tokens: up to this many logits on one thread (about 0.1 ms)
 _ARGMAX_BLOCK = 128  # greedy_tokens: the largest block (a power of two dividing the vocabulary)
 
 
@@ -93,14 +95,23 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=-1) of [N, V] logits ([N] int64), the same ids (ties: the lowest).
     On the CPU torch's argmax does not vectorise (several times slower than amax), so the
     row maxima come from block maxima (amax), and argmax runs only over the block maxima
-    and the one block per row that holds the maximum. Elsewhere, or for a vocabulary with
-    no block size dividing it, or a row with a NaN: argmax itself."""
+    and the one block per row that holds the maximum; up to _SERIAL_ELEMENTS logits on one
+    thread. Elsewhere, or for a vocabulary with no block size dividing it, or a row with a
+    NaN: argmax itself."""
     n, vocab = logits.shape
     block = _ARGMAX_BLOCK
     while vocab % block:
         block //= 2
     if logits.device.type != "cpu" or block < 16 or n * vocab < (1 << 15) or not logits.is_contiguous():
         return logits.argmax(dim=-1)
+    if n * vocab <= _SERIAL_ELEMENTS:
+        with one_thread():
+            return _block_argmax(logits, block)
+    return _block_argmax(logits, block)
+
+
+def _block_argmax(logits: torch.Tensor, block: int) -> torch.Tensor:
+    n, vocab = logits.shape
     blocks = logits.view(n, vocab // block, block)
     block_max = blocks.amax(dim=2)  # [N, V / block]
     row_max = block_max.amax(dim=1, keepdim=True)  # [N, 1]
@@ -109,6 +120,22 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     first = (block_max == row_max).to(torch.uint8).argmax(dim=1)  # [N] the first block holding it
     within = blocks[torch.arange(n), first].argmax(dim=1)  # [N, block] -> [N]
     return first * block + within
+
+
+@contextmanager
+def one_thread():
+    """torch's CPU ops on one thread inside the block. For work of tens of microseconds
+    (a greedy step over a small vocabulary): an OpenMP fork/join saves little on an idle
+    machine, and on a busy one waits milliseconds for a descheduled worker thread."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class Sampler:
