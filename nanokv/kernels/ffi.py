@@ -73,6 +73,10 @@ def load(width: int | None = None, portable: bool | str = False):
     lib.nk_rmsnorm.restype = None
     lib.nk_qk_norm_rope.argtypes = [p, i, i, i, i, p, p, f, p, p, p, p]
     lib.nk_qk_norm_rope.restype = None
+    lib.nk_top_candidates.argtypes = [p, i, p, i, i, i, p, p]
+    lib.nk_top_candidates.restype = None
+    lib.nk_sample_past.argtypes = [p, i, p, i] + [p] * 13 + [i, i, p, p, p]
+    lib.nk_sample_past.restype = None
     return lib
 
 

@@ -34,6 +34,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from nanokv import kernels
+from nanokv.kernels import ops
+
 CANDIDATES = 64  # tokens sorted per row when top_k is off (SmolLM2 at T 0.8: 88% of nuclei fit)
 _CHUNK_BYTES = 4 << 20  # CPU: rows of token weights per chunk
 _MASK = (1 << 64) - 1
@@ -92,12 +95,22 @@ class Sampler:
     """Samples one token per row. The logits are overwritten where min_tokens masks or
     penalties apply."""
 
-    def __init__(self):
+    def __init__(self, cpu_kernels: bool | None = None):
         self._scratch = torch.empty(0)  # two CPU chunk buffers, kept: fresh memory page-faults
+        self._cpu_kernels = cpu_kernels  # CPU logits on the C kernels; None: where they build (decided once)
+
+    def _kernels(self, logits: torch.Tensor) -> bool:
+        if logits.device.type != "cpu":
+            return False
+        if self._cpu_kernels is None:
+            self._cpu_kernels = kernels.available()
+        return self._cpu_kernels
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors,
                  generator: torch.Generator | None = None) -> SamplerOutput:
         logits = logits.float()  # [N, V]
+        if self._kernels(logits):
+            logits = logits.contiguous()
         if t.banned is not None:
             logits[t.banned] = float("-inf")
         if t.penalty_ids is not None:
@@ -123,7 +136,7 @@ class Sampler:
         out.logprobs = picked.squeeze(1) - lse
         out.ranks = _count_above(logits, rows, picked) + 1
         if t.max_logprobs > 0:
-            vals, out.top_ids = top_candidates(logits, t.max_logprobs, rows)
+            vals, out.top_ids = top_candidates(logits, t.max_logprobs, rows, self._kernels(logits))
             out.top_logprobs = vals - lse[:, None]
 
     def _draw(self, logits: torch.Tensor, t: SamplingTensors, generator) -> torch.Tensor:
@@ -133,15 +146,16 @@ class Sampler:
         keys = dict(t.seeded or ())
         keys = [keys.get(i) for i in sampled]
         scratch = self._scratch_for(logits)
+        c = self._kernels(logits)
         if len(sampled) == len(temps):
-            return sample_rows(logits, None, RowSettings.build(t, None, logits.shape[1]), keys, generator, scratch)
+            return sample_rows(logits, None, RowSettings.build(t, None, logits.shape[1]), keys, generator, scratch, c)
         dev = logits.device
         tokens = torch.empty(len(temps), dtype=torch.long, device=dev)
         greedy = torch.tensor([i for i, x in enumerate(temps) if x <= 0], dtype=torch.long, device=dev)
         tokens[greedy] = logits[greedy].argmax(dim=-1)
         rows = torch.tensor(sampled, dtype=torch.long, device=dev)
         settings = RowSettings.build(t, rows, logits.shape[1])
-        tokens[rows] = sample_rows(logits, rows, settings, keys, generator, scratch)
+        tokens[rows] = sample_rows(logits, rows, settings, keys, generator, scratch, c)
         return tokens
 
     def _scratch_for(self, logits: torch.Tensor):
@@ -188,13 +202,15 @@ class RowSettings(NamedTuple):
 
 
 def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings,
-                keys: list[int | None], generator: torch.Generator | None, scratch=None) -> torch.Tensor:
+                keys: list[int | None], generator: torch.Generator | None, scratch=None,
+                cpu_kernels: bool = False) -> torch.Tensor:
     """One token for each of the n sampled rows (rows of logits, None: all), [n] int64.
     keys: each row's seeded key (seed_for_token), None for the generator's draws.
-    scratch(i, rows, vocab): CPU buffer i (0 or 1), reused from chunk to chunk (None: allocate)."""
+    scratch(i, rows, vocab): CPU buffer i (0 or 1), reused from chunk to chunk (None: allocate).
+    cpu_kernels: the candidates and the full-vocabulary passes in C (CPU logits, contiguous)."""
     vocab = logits.shape[1]
     u = uniforms(keys, 0, generator, logits.device)
-    vals, ids = top_candidates(logits, max(s.k_list), rows)  # [n, k], largest first
+    vals, ids = top_candidates(logits, max(s.k_list), rows, cpu_kernels)  # [n, k], largest first
     m = vals[:, :1]
     scale = s.scale[:, None]
     w = torch.exp2((vals - m) * scale)  # candidate weights, the largest 1
@@ -212,7 +228,13 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings,
     z_top = cand  # what top-p is a fraction of: the top-k set, or the whole vocabulary
     tokens = torch.empty(len(keys), dtype=torch.long, device=logits.device)
     past = torch.zeros(len(keys), dtype=torch.bool, device=logits.device)
-    if any(s.off_list):
+    if any(s.off_list) and cpu_kernels:
+        draw = ops.PastDraw(rows, m.squeeze(1), s.scale, u, _later_keys(keys, generator), cand,
+                            before.gather(1, last).squeeze(1), cut, torch.tensor(s.off_list), s.top_p, s.min_p,
+                            w, cum, ids, min(c, w.shape[1]))
+        z, past, tokens = ops.sample_past(logits, draw)
+        z_top = torch.where(s.top_k_on, cand, z)
+    elif any(s.off_list):
         sums = []
         for part, e in _weights(logits, rows, m, scale, scratch):
             sums.append(e.sum(dim=1))
@@ -242,6 +264,16 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings,
     target = u * torch.where(inside, kept, z_top)
     drawn = _locate(cum, ids, torch.minimum(target, torch.nextafter(limit, torch.zeros_like(limit))))
     return torch.where(past, tokens, drawn)
+
+
+def _later_keys(keys: list[int | None], generator: torch.Generator | None) -> torch.Tensor:
+    """[n] int64: the keys of each row's later uniforms (seeded_uniform(key, 1, 2, ...)) in the
+    C draw: seeded rows' own, a key from the generator for the others."""
+    free = [i for i, k in enumerate(keys) if k is None]
+    out = torch.tensor([0 if k is None else k for k in keys], dtype=torch.long)
+    if free:
+        out[free] = torch.randint(0, 1 << 62, (len(free),), generator=generator)
+    return out
 
 
 def _inside(cut: torch.Tensor, before_last: torch.Tensor, top_p: torch.Tensor | None, part: slice,
@@ -376,15 +408,18 @@ def uniforms(keys: list[int | None], draw: int, generator: torch.Generator | Non
     return u
 
 
-def top_candidates(logits: torch.Tensor, k: int,
-                   rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def top_candidates(logits: torch.Tensor, k: int, rows: torch.Tensor | None = None,
+                   cpu_kernels: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest logits of each row (rows of logits, None: all) and their token ids,
     [n, k] each, largest first (ties: lower id first). The k largest lie in the k blocks
-    with the largest maxima, so after one pass of block maxima only those are searched."""
+    with the largest maxima, so after one pass of block maxima only those are searched.
+    cpu_kernels: in C, row by row (CPU logits, contiguous)."""
     vocab = logits.shape[1]
     n = len(logits) if rows is None else len(rows)
     block = 2 ** round(math.log2(max(1.0, math.sqrt(vocab / k))))
     num_blocks = vocab // block
+    if cpu_kernels:
+        return ops.top_candidates(logits, k, rows, 0 if block < 8 or num_blocks < 4 * k else block)
     if block < 8 or num_blocks < 4 * k:
         vals, ids = (logits if rows is None else logits[rows]).topk(k, dim=1, sorted=False)
     else:
