@@ -1227,16 +1227,21 @@ static void top_row(const float *x, long V, long k, long B, int32_t *work, float
         long above = 0;
         for (long b = 0; b < nb; b++) above += mk[b] > t;
         long ties = k - above;
+        /* the k chosen blocks each hold a key >= t, so the k best do too: only those join */
         for (long b = 0; b < nb; b++) {
             if (!(mk[b] > t || (mk[b] == t && ties-- > 0))) continue;
             for (long j = b * B; j < (b + 1) * B; j++) {
-                pk[P] = fkey(x[j]);
-                pid[P++] = (int32_t)j;
+                int32_t kj = fkey(x[j]);
+                pk[P] = kj;
+                pid[P] = (int32_t)j;
+                P += kj >= t;
             }
         }
         for (long j = nb * B; j < V; j++) {
-            pk[P] = fkey(x[j]);
-            pid[P++] = (int32_t)j;
+            int32_t kj = fkey(x[j]);
+            pk[P] = kj;
+            pid[P] = (int32_t)j;
+            P += kj >= t;
         }
         select_best(pk, pid, P, k, tmp, best);
     } else {
@@ -1266,9 +1271,14 @@ void nk_top_candidates(const float *logits, long V, const int64_t *rows, long n,
 }
 
 static inline int any_lane(vi m) {
-    int32_t r = 0;
-    for (int i = 0; i < VW; i++) r |= m[i];
-    return r != 0;
+#if VW == 16
+    v8i a = __builtin_shufflevector(m, m, 0, 1, 2, 3, 4, 5, 6, 7) | __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    v8i a = m;
+#endif
+    a |= __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3);
+    a |= __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5);
+    return (a[0] | a[1]) != 0;
 }
 
 /* 2^f for f in [-1/2, 1/2]: a degree-6 fit, relative error 2e-9 (an ulp is 6e-8); p(0) = 1 */
@@ -1393,73 +1403,89 @@ static inline float nk_uniform(uint64_t key, long draw) {
     return (float)((x ^ (x >> 31)) >> 40) / 16777216.0f;
 }
 
-/* The draw of sampler.py's sample_rows for rows with top_k off, where it needs the whole
- * vocabulary: every row i with off[i] gets z[i], the weight of its row rows[i] of logits
- * [*, V] (m: its max, scale: log2(e) / T), and past[i]: whether u * z lands past its c
- * candidates (w, cum, cids [n, ld], their first c columns) and its kept set may reach past
- * them; such a row's token is drawn among the other tokens in id order, a token that top_p
- * or min_p (NULL: off) drops rejected, and the row drawn again among the tokens more likely
- * than it (its uniforms: nk_uniform(keys[i], 1, 2, ...)). cand: the candidates' weight,
- * before_last: the weight before the last candidate, cut: the kept set ends inside the
- * candidates already. */
-void nk_sample_past(const float *logits, long V, const int64_t *rows, long n, const float *m, const float *scale,
-                    const float *u, const int64_t *keys, const float *cand, const float *before_last,
-                    const uint8_t *cut, const uint8_t *off, const float *top_p, const float *min_p, const float *w,
-                    const float *cum, const int64_t *cids, long ld, long c, float *z, uint8_t *past,
+/* The rest of a draw past the candidates w, cum, cids [c] (sampler.py's _draw_past_candidates):
+ * rest located among the other tokens (e: every token's weight, the candidates' zeroed; bs:
+ * its block sums) in id order; a token that top_p or min_p (< 0: off) drops is rejected and
+ * the row drawn again among the tokens more likely than it, candidates first (the uniforms
+ * nk_uniform(key, 1, 2, ...)). z: the weight of the row. */
+static long draw_past(float *e, long V, float *bs, float rest, float z, const float *w, const float *cum,
+                      const int64_t *cids, long c, float top_p, float min_p, uint64_t key) {
+    for (long draw = 1;; draw++) {
+        long pick = locate_row(e, V, bs, rest);
+        float wt = e[pick];
+        int ok = wt > 0;
+        if (ok && top_p < 1) {
+            float cw = 0;
+            for (long q = 0; q < c; q++) cw += w[q] > wt ? w[q] : 0;
+            ok = sum_above(e, V, wt) + cw < top_p * z;
+        }
+        if (ok && min_p >= 0) ok = wt >= min_p;
+        if (ok) return pick;
+        /* every token as likely as a rejected one is dropped too: draw again above it */
+        float rest_w = (float)zero_up_to(e, V, wt, bs), cw = 0;
+        for (long q = 0; q < c; q++) cw += w[q] > wt ? w[q] : 0;
+        float target = rounded(nk_uniform(key, draw) * (cw + rest_w));
+        if (target < cw) {
+            long q = 0;
+            while (q < c - 1 && !(cum[q] > target)) q++;
+            return cids[q];
+        }
+        rest = target - cw;
+    }
+}
+
+/* One token for each of the n rows rows[i] (NULL: i) of logits [*, V] with top_k off, and
+ * z[i], the weight of its row: sampler.py's sample_rows for such rows, whole. Its c
+ * candidates (top_row, blocks of B) weighted w = 2^((logit - max) * scale[i]); top_p and
+ * min_p (NULL: off) cut inside them, or the first uniform u[i] lands in them: the token is
+ * a candidate; else the draw goes on past them (draw_past, its later uniforms from keys[i]). */
+void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, long c, long B, const float *scale,
+                    const float *u, const int64_t *keys, const float *top_p, const float *min_p, float *z,
                     int64_t *tokens) {
     long nbk = (V + SB - 1) / SB;
 #pragma omp parallel if (n > 1)
     {
-        float *e = malloc(sizeof(float) * (V + nbk));
-        float *bs = e + V;
+        int32_t *work = malloc(sizeof(int32_t) * 5 * V);
+        float *e = malloc(sizeof(float) * (V + nbk + 3 * c)), *bs = e + V, *vals = bs + nbk, *w = vals + c,
+              *cum = w + c;
+        int64_t *ids = malloc(sizeof(int64_t) * c);
 #pragma omp for schedule(dynamic, 1)
         for (long i = 0; i < n; i++) {
-            z[i] = 0;
-            past[i] = 0;
-            tokens[i] = 0;
-            if (!off[i]) continue;
-            long r = rows ? rows[i] : i;
-            float zf = (float)weights_row(logits + r * V, V, m[i], scale[i], e, bs);
+            const float *x = logits + (rows ? rows[i] : i) * V;
+            float p = top_p ? top_p[i] : 1, mp = min_p ? min_p[i] : -1;
+            top_row(x, V, c, B, work, vals, ids);
+            float m = vals[0];
+            double acc = 0;
+            for (long q = 0; q < c; q++) {
+                w[q] = exp2_neg(splat((vals[q] - m) * scale[i]))[0];
+                cum[q] = (float)(acc += w[q]);
+            }
+            float cand = cum[c - 1], before_last = cand - w[c - 1];
+            int cut = c >= V || w[c - 1] == 0 || w[c - 1] < mp; /* the kept set ends inside the candidates */
+            float zf = (float)weights_row(x, V, m, scale[i], e, bs);
             z[i] = zf;
-            int inside = cut[i] || (top_p && top_p[i] < 1 && before_last[i] >= top_p[i] * zf);
+            int inside = cut || (p < 1 && before_last >= p * zf);
             float uz = rounded(u[i] * zf);
-            if (inside || !(uz >= cand[i])) continue;
-            past[i] = 1;
-            const float *wi = w + i * ld, *ci = cum + i * ld;
-            const int64_t *idi = cids + i * ld;
-            for (long q = 0; q < c; q++) e[idi[q]] = 0; /* the tokens past the candidates */
-            for (long q = 0; q < c; q++) { /* their blocks' sums again */
-                long b = idi[q] / SB, b0 = b * SB;
-                bs[b] = block_sum(e, b0, b0 + SB < V ? b0 + SB : V);
+            if (!inside && uz >= cand) {
+                for (long q = 0; q < c; q++) e[ids[q]] = 0; /* the tokens past the candidates */
+                for (long q = 0; q < c; q++) {              /* their blocks' sums again */
+                    long b0 = ids[q] / SB * SB;
+                    bs[b0 / SB] = block_sum(e, b0, b0 + SB < V ? b0 + SB : V);
+                }
+                tokens[i] = draw_past(e, V, bs, uz - cand, zf, w, cum, ids, c, p, mp, (uint64_t)keys[i]);
+                continue;
             }
-            float rest = uz - cand[i];
-            for (long draw = 1;; draw++) {
-                long pick = locate_row(e, V, bs, rest);
-                float wt = e[pick];
-                int ok = wt > 0;
-                if (ok && top_p && top_p[i] < 1) {
-                    float cw = 0;
-                    for (long q = 0; q < c; q++) cw += wi[q] > wt ? wi[q] : 0;
-                    ok = sum_above(e, V, wt) + cw < top_p[i] * zf;
-                }
-                if (ok && min_p) ok = wt >= min_p[i];
-                if (ok) {
-                    tokens[i] = pick;
-                    break;
-                }
-                /* every token as likely as a rejected one is dropped too: draw again above it */
-                float rest_w = (float)zero_up_to(e, V, wt, bs), cw = 0;
-                for (long q = 0; q < c; q++) cw += wi[q] > wt ? wi[q] : 0;
-                float target = rounded(nk_uniform((uint64_t)keys[i], draw) * (cw + rest_w));
-                if (target < cw) {
-                    long q = 0;
-                    while (q < c - 1 && !(ci[q] > target)) q++;
-                    tokens[i] = idi[q];
-                    break;
-                }
-                rest = target - cw;
-            }
+            long kept_n = 0; /* every option keeps a prefix */
+            for (long q = 0; q < c; q++) kept_n += w[q] > 0 && (p >= 1 || cum[q] - w[q] < p * zf) && w[q] >= mp;
+            float kept = cum[kept_n - 1], limit = inside ? kept : cand;
+            float target = u[i] * (inside ? kept : zf);
+            float t = fminf(target, nextafterf(limit, 0));
+            long q = 0;
+            while (q < c - 1 && !(cum[q] > t)) q++;
+            tokens[i] = ids[q];
         }
+        free(ids);
         free(e);
+        free(work);
     }
 }

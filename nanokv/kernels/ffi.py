@@ -75,8 +75,8 @@ def load(width: int | None = None, portable: bool | str = False):
     lib.nk_qk_norm_rope.restype = None
     lib.nk_top_candidates.argtypes = [p, i, p, i, i, i, p, p]
     lib.nk_top_candidates.restype = None
-    lib.nk_sample_past.argtypes = [p, i, p, i] + [p] * 13 + [i, i, p, p, p]
-    lib.nk_sample_past.restype = None
+    lib.nk_sample_rows.argtypes = [p, i, p, i, i, i, p, p, p, p, p, p, p]
+    lib.nk_sample_rows.restype = None
     return lib
 
 

@@ -263,45 +263,21 @@ def top_candidates(logits: torch.Tensor, k: int, rows: torch.Tensor | None, bloc
     return vals, ids
 
 
-@dataclass
-class PastDraw:
-    """sample_past's inputs for n sampled rows (layers/sampler.py's sample_rows names them):
-    [n] float32 unless said."""
-
-    rows: torch.Tensor | None  # [n] int64 rows of logits (None: all)
-    m: torch.Tensor  # each row's max logit
-    scale: torch.Tensor  # log2(e) / temperature
-    u: torch.Tensor  # the first uniform
-    keys: torch.Tensor  # [n] int64: the keys of the later uniforms
-    cand: torch.Tensor  # the candidates' weight
-    before_last: torch.Tensor  # the weight of the candidates before the last one
-    cut: torch.Tensor  # [n] bool: the kept set ends inside the candidates
-    off: torch.Tensor  # [n] bool: top_k off (only these rows are drawn here)
-    top_p: torch.Tensor | None
-    min_p: torch.Tensor | None
-    w: torch.Tensor  # [n, ld] candidate weights, largest first
-    cum: torch.Tensor  # [n, ld] their cumulative sums
-    ids: torch.Tensor  # [n, ld] int64 their token ids
-    c: int  # candidates per row with top_k off (columns of w)
-
-
-def sample_past(logits: torch.Tensor, d: PastDraw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For the rows with top_k off: (z [n] the weight of the whole row, past [n] bool whether the
-    draw went past the candidates, tokens [n] int64 the token drawn there); cpu.c's
-    nk_sample_past. logits [N, V] float32, contiguous."""
-    n = len(d.m)
-    z, past, tokens = torch.empty(n), torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.long)
-
-    def c(x, dtype=torch.float32):
-        return None if x is None else x.to(dtype).contiguous()
-
-    rows = c(d.rows, torch.long)
-    args = [c(d.m), c(d.scale), c(d.u), c(d.keys, torch.long), c(d.cand), c(d.before_last),
-            c(d.cut, torch.uint8), c(d.off, torch.uint8), c(d.top_p), c(d.min_p), c(d.w), c(d.cum),
-            c(d.ids, torch.long)]
-    lib().nk_sample_past(logits.data_ptr(), logits.shape[1], ptr(rows), n,
-                         *[ptr(x) for x in args], d.w.shape[1], d.c, z.data_ptr(), past.data_ptr(), tokens.data_ptr())
-    return z, past.bool(), tokens
+def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, c: int, block: int, scale: torch.Tensor,
+                u: torch.Tensor, keys: torch.Tensor, top_p: torch.Tensor | None, min_p: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [n] int64, z [n] float32: the weight of each row) for n sampled rows with top_k
+    off (rows [n] int64 of logits [N, V], None: all), c candidates each (found with blocks of
+    `block`, 0: none); [n] float32 scale (log2(e) / T), u (the first uniform), top_p and min_p
+    (None: off), int64 keys (of the later uniforms). cpu.c's nk_sample_rows."""
+    n = len(u)
+    tokens, z = torch.empty(n, dtype=torch.long), torch.empty(n)
+    args = [None if x is None else x.to(dtype).contiguous() for x, dtype in
+            [(rows, torch.long), (scale, torch.float32), (u, torch.float32), (keys, torch.long),
+             (top_p, torch.float32), (min_p, torch.float32)]]
+    lib().nk_sample_rows(logits.data_ptr(), logits.shape[1], ptr(args[0]), n, c, block, *[ptr(x) for x in args[1:]],
+                         z.data_ptr(), tokens.data_ptr())
+    return tokens, z
 
 
 def decoder_layer(layer: NkLayer, step: NkStep, x: torch.Tensor, residual: torch.Tensor, first: bool,

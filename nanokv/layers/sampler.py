@@ -200,6 +200,11 @@ class RowSettings(NamedTuple):
     def chunk(self, rows: slice) -> "RowSettings":
         return RowSettings(*(None if x is None else x[rows] for x in self))
 
+    def select(self, index: torch.Tensor, positions: list[int]) -> "RowSettings":
+        """The rows at positions (also as index, a tensor)."""
+        return RowSettings(*(None if x is None else [x[i] for i in positions] if isinstance(x, list) else x[index]
+                             for x in self))
+
 
 def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings,
                 keys: list[int | None], generator: torch.Generator | None, scratch=None,
@@ -207,8 +212,10 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings,
     """One token for each of the n sampled rows (rows of logits, None: all), [n] int64.
     keys: each row's seeded key (seed_for_token), None for the generator's draws.
     scratch(i, rows, vocab): CPU buffer i (0 or 1), reused from chunk to chunk (None: allocate).
-    cpu_kernels: the candidates and the full-vocabulary passes in C (CPU logits, contiguous)."""
+    cpu_kernels: in C (CPU logits, contiguous): the candidates, and rows with top_k off whole."""
     vocab = logits.shape[1]
+    if cpu_kernels and any(s.off_list):
+        return _sample_rows_c(logits, rows, s, keys, generator, scratch)
     u = uniforms(keys, 0, generator, logits.device)
     vals, ids = top_candidates(logits, max(s.k_list), rows, cpu_kernels)  # [n, k], largest first
     m = vals[:, :1]
@@ -228,13 +235,7 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings,
     z_top = cand  # what top-p is a fraction of: the top-k set, or the whole vocabulary
     tokens = torch.empty(len(keys), dtype=torch.long, device=logits.device)
     past = torch.zeros(len(keys), dtype=torch.bool, device=logits.device)
-    if any(s.off_list) and cpu_kernels:
-        draw = ops.PastDraw(rows, m.squeeze(1), s.scale, u, _later_keys(keys, generator), cand,
-                            before.gather(1, last).squeeze(1), cut, torch.tensor(s.off_list), s.top_p, s.min_p,
-                            w, cum, ids, min(c, w.shape[1]))
-        z, past, tokens = ops.sample_past(logits, draw)
-        z_top = torch.where(s.top_k_on, cand, z)
-    elif any(s.off_list):
+    if any(s.off_list):
         sums = []
         for part, e in _weights(logits, rows, m, scale, scratch):
             sums.append(e.sum(dim=1))
@@ -264,6 +265,33 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings,
     target = u * torch.where(inside, kept, z_top)
     drawn = _locate(cum, ids, torch.minimum(target, torch.nextafter(limit, torch.zeros_like(limit))))
     return torch.where(past, tokens, drawn)
+
+
+def _sample_rows_c(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings, keys: list[int | None],
+                   generator: torch.Generator | None, scratch) -> torch.Tensor:
+    """sample_rows on the C kernels: the rows with top_k off in one call (cpu.c's
+    nk_sample_rows, the same draw row by row, each row in cache from its candidates to its
+    token), the others through sample_rows with their candidates in C."""
+    vocab, n = logits.shape[1], len(keys)
+    off = [i for i, x in enumerate(s.off_list) if x]
+    index = torch.tensor(off)
+    on = [i for i, x in enumerate(s.off_list) if not x]
+    part = s.select(index, off)
+    c = min(CANDIDATES, vocab)
+    block = 2 ** round(math.log2(max(1.0, math.sqrt(vocab / c))))
+    block = 0 if block < 8 or vocab // block < 4 * c else block  # as top_candidates
+    part_keys = [keys[i] for i in off]
+    drawn, _ = ops.sample_rows(logits, index if rows is None else rows[index], c, block, part.scale,
+                               uniforms(part_keys, 0, generator, logits.device), _later_keys(part_keys, generator),
+                               part.top_p, part.min_p)
+    if not on:
+        return drawn
+    tokens = torch.empty(n, dtype=torch.long)
+    tokens[index] = drawn
+    others = torch.tensor(on)
+    tokens[others] = sample_rows(logits, others if rows is None else rows[others], s.select(others, on),
+                                 [keys[i] for i in on], generator, scratch, True)
+    return tokens
 
 
 def _later_keys(keys: list[int | None], generator: torch.Generator | None) -> torch.Tensor:
