@@ -1489,3 +1489,56 @@ void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, lo
         free(work);
     }
 }
+
+/* For the n rows rows[i] (NULL: i) of logits [*, V]: lse[i], the log-sum-exp (max + log of
+ * the sum of 2^((logit - max) * log2(e))), above[i], how many logits exceed picked[i], and
+ * (k > 0) its k largest logits and their ids (vals, ids [n, k], top_row with blocks of B),
+ * found first so that the row is in cache for the sum. */
+void nk_logprobs(const float *logits, long V, const int64_t *rows, long n, const float *picked, long k, long B,
+                 float *lse, int64_t *above, float *vals, int64_t *ids) {
+#pragma omp parallel if (n > 1)
+    {
+        int32_t *work = k > 0 ? malloc(sizeof(int32_t) * 5 * V) : 0;
+#pragma omp for schedule(static)
+        for (long i = 0; i < n; i++) {
+            const float *x = logits + (rows ? rows[i] : i) * V;
+            float m = -INFINITY;
+            long j = 0;
+            if (k > 0) {
+                top_row(x, V, k, B, work, vals + i * k, ids + i * k);
+                m = vals[i * k];
+            } else {
+                vf mv = splat(-INFINITY);
+                for (; j + VW <= V; j += VW) {
+                    vf v = loadv(x + j);
+                    mv = selectv(v > mv, v, mv);
+                }
+                for (int q = 0; q < VW; q++) m = mv[q] > m ? mv[q] : m;
+                for (; j < V; j++) m = x[j] > m ? x[j] : m;
+            }
+            const float scale = 1.44269504088896341f, p = picked[i];
+            double total = 0;
+            long count = 0;
+            for (long b0 = 0; b0 < V; b0 += SB) {
+                long end = b0 + SB < V ? b0 + SB : V;
+                vf acc = splat(0);
+                vi cnt = {};
+                for (j = b0; j + VW <= end; j += VW) {
+                    vf v = loadv(x + j);
+                    acc += exp2_neg((v - splat(m)) * splat(scale));
+                    cnt -= v > splat(p);
+                }
+                float s = hsum(acc);
+                for (int q = 0; q < VW; q++) count += cnt[q];
+                for (; j < end; j++) {
+                    s += exp2_neg(splat((x[j] - m) * scale))[0];
+                    count += x[j] > p;
+                }
+                total += s;
+            }
+            lse[i] = m + logf((float)total);
+            above[i] = count;
+        }
+        free(work);
+    }
+}

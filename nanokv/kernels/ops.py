@@ -280,6 +280,21 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, c: int, block: 
     return tokens, z
 
 
+def logprobs(logits: torch.Tensor, rows: torch.Tensor | None, picked: torch.Tensor, k: int, block: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lse [n] float32: each row's log-sum-exp, above [n] int64: how many of its logits exceed
+    picked [n], and its k largest logits and their ids [n, k], as top_candidates with blocks of
+    `block`) for the n rows rows (int64, None: all) of logits [N, V]; cpu.c's nk_logprobs."""
+    n = len(picked)
+    lse, above = torch.empty(n), torch.empty(n, dtype=torch.long)
+    vals, ids = torch.empty(n, k), torch.empty(n, k, dtype=torch.long)
+    rows = None if rows is None else rows.to(torch.long).contiguous()
+    picked = picked.float().contiguous()
+    lib().nk_logprobs(logits.data_ptr(), logits.shape[1], ptr(rows), n, picked.data_ptr(), k, block, lse.data_ptr(),
+                      above.data_ptr(), vals.data_ptr(), ids.data_ptr())
+    return lse, above, vals, ids
+
+
 def decoder_layer(layer: NkLayer, step: NkStep, x: torch.Tensor, residual: torch.Tensor, first: bool,
                   last: bool, out: torch.Tensor) -> None:
     """One decoder layer: x [T, H] -> out [T, H] (may be x), residual [T, H] updated in place

@@ -22,6 +22,13 @@ A seeded row's uniforms are a hash of (seed, token index, draw number) and nothi
 its token depends neither on the batch nor on preemption; the other rows draw from the
 engine's generator. On the CPU the full-vocabulary passes go a few MiB of rows at a time,
 in one buffer kept across steps, so that each chunk's passes run in cache.
+
+With the CPU kernels (cpu.c, where they build) the same draw runs in C row by row, each row
+in cache from its candidates to its token (nk_sample_rows, for rows with top_k off: the
+draws past the candidates, which flat distributions make common, cost a pass or two of a
+row in L2 instead of several over the batch); the candidates of the other rows and
+logprobs' statistics are C calls too. Its later uniforms (redraws) are seeded_uniform's of a
+key: the row's own, or one drawn from the generator.
 """
 
 from __future__ import annotations
@@ -128,16 +135,20 @@ class Sampler:
         rows = t.logprob_rows
         tokens = out.tokens if rows is None else out.tokens[rows]
         picked = logits.gather(1, tokens[:, None]) if rows is None else logits[rows, tokens][:, None]  # [A, 1]
-        m = logits.amax(dim=1, keepdim=True)
-        m = m if rows is None else m[rows]
-        scale = torch.full_like(m, math.log2(math.e))
-        sums = torch.cat([e.sum(dim=1) for _, e in _weights(logits, rows, m, scale, self._scratch_for(logits))])
-        lse = m.squeeze(1) + sums.log()
+        k = t.max_logprobs
+        if self._kernels(logits):  # row by row: its top k, log-sum-exp and rank in one visit
+            lse, above, vals, ids = ops.logprobs(logits, rows, picked.squeeze(1), k, _block(logits.shape[1], k))
+        else:
+            m = logits.amax(dim=1, keepdim=True)
+            m = m if rows is None else m[rows]
+            scale = torch.full_like(m, math.log2(math.e))
+            sums = torch.cat([e.sum(dim=1) for _, e in _weights(logits, rows, m, scale, self._scratch_for(logits))])
+            lse, above = m.squeeze(1) + sums.log(), _count_above(logits, rows, picked)
+            vals, ids = top_candidates(logits, k, rows) if k > 0 else (None, None)
         out.logprobs = picked.squeeze(1) - lse
-        out.ranks = _count_above(logits, rows, picked) + 1
-        if t.max_logprobs > 0:
-            vals, out.top_ids = top_candidates(logits, t.max_logprobs, rows, self._kernels(logits))
-            out.top_logprobs = vals - lse[:, None]
+        out.ranks = above + 1
+        if k > 0:
+            out.top_ids, out.top_logprobs = ids, vals - lse[:, None]
 
     def _draw(self, logits: torch.Tensor, t: SamplingTensors, generator) -> torch.Tensor:
         """Greedy rows: argmax; the others: sample_rows."""
@@ -278,10 +289,8 @@ def _sample_rows_c(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettin
     on = [i for i, x in enumerate(s.off_list) if not x]
     part = s.select(index, off)
     c = min(CANDIDATES, vocab)
-    block = 2 ** round(math.log2(max(1.0, math.sqrt(vocab / c))))
-    block = 0 if block < 8 or vocab // block < 4 * c else block  # as top_candidates
     part_keys = [keys[i] for i in off]
-    drawn, _ = ops.sample_rows(logits, index if rows is None else rows[index], c, block, part.scale,
+    drawn, _ = ops.sample_rows(logits, index if rows is None else rows[index], c, _block(vocab, c), part.scale,
                                uniforms(part_keys, 0, generator, logits.device), _later_keys(part_keys, generator),
                                part.top_p, part.min_p)
     if not on:
@@ -444,13 +453,13 @@ def top_candidates(logits: torch.Tensor, k: int, rows: torch.Tensor | None = Non
     cpu_kernels: in C, row by row (CPU logits, contiguous)."""
     vocab = logits.shape[1]
     n = len(logits) if rows is None else len(rows)
-    block = 2 ** round(math.log2(max(1.0, math.sqrt(vocab / k))))
-    num_blocks = vocab // block
+    block = _block(vocab, k)
     if cpu_kernels:
-        return ops.top_candidates(logits, k, rows, 0 if block < 8 or num_blocks < 4 * k else block)
-    if block < 8 or num_blocks < 4 * k:
+        return ops.top_candidates(logits, k, rows, block)
+    if block == 0:
         vals, ids = (logits if rows is None else logits[rows]).topk(k, dim=1, sorted=False)
     else:
+        num_blocks = vocab // block
         full = num_blocks * block
         blocks = logits[:, :full].view(len(logits), num_blocks, block)
         maxima = blocks.amax(dim=2)  # [N, num_blocks], for every row: cheaper than picking rows first
@@ -466,6 +475,13 @@ def top_candidates(logits: torch.Tensor, k: int, rows: torch.Tensor | None = Non
     ids, order = ids.sort(dim=1)
     vals, order = vals.gather(1, order).sort(dim=1, descending=True, stable=True)
     return vals, ids.gather(1, order)
+
+
+def _block(vocab: int, k: int) -> int:
+    """top_candidates' block size for k of vocab: about sqrt(vocab / k), a power of two; 0 (the
+    whole row searched) where blocks would be under 8 or fewer than 4 k."""
+    block = 2 ** round(math.log2(max(1.0, math.sqrt(vocab / max(k, 1)))))
+    return 0 if block < 8 or vocab // block < 4 * k else block
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> None:

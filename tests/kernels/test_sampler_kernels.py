@@ -109,3 +109,18 @@ def test_c_draw_equals_the_torch_draw_for_the_same_uniforms(width, monkeypatch, 
     picked = torch.tensor([17, 3, 250, 99])
     assert torch.equal(draw(picked, True), ref[picked])
     assert [draw(picked[i:i + 1], True).item() for i in range(4)] == ref[picked].tolist()
+
+
+def test_logprobs_are_logsumexp_rank_and_top(width):  # noqa: F811
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(7, 4099, generator=g) * 4
+    x[2, 5:] = float("-inf")
+    x[3] = torch.randint(-3, 3, (4099,), generator=g).float()  # ties with the picked logit
+    rows = torch.tensor([6, 2, 3, 3, 0])
+    picked = x[rows, torch.tensor([0, 1, 7, 100, 4098])]
+    for k, block in [(0, 0), (5, 0), (5, 16), (3, 32)]:
+        lse, above, vals, ids = kernels.ops.logprobs(x, rows, picked, k, block)
+        torch.testing.assert_close(lse, torch.logsumexp(x[rows].double(), dim=1).float(), rtol=1e-6, atol=1e-6)
+        assert above.tolist() == (x[rows] > picked[:, None]).sum(dim=1).tolist()
+        ref_vals, ref_ids = full_sort(x[rows], k)
+        assert torch.equal(ids, ref_ids) and torch.equal(vals, ref_vals)
