@@ -124,3 +124,22 @@ def test_logprobs_are_logsumexp_rank_and_top(width):  # noqa: F811
         assert above.tolist() == (x[rows] > picked[:, None]).sum(dim=1).tolist()
         ref_vals, ref_ids = full_sort(x[rows], k)
         assert torch.equal(ids, ref_ids) and torch.equal(vals, ref_vals)
+
+
+def test_c_draw_is_independent_of_the_thread_count(width):  # noqa: F811
+    """Rows go to threads dynamically, each row drawn whole by one: any thread count, the
+    same tokens (flat rows: most draws past the candidates, some rejected)."""
+    g = torch.Generator().manual_seed(12)
+    n, vocab = 64, 20000
+    logits = torch.randn(n, vocab, generator=g)
+    t = SamplingTensors(torch.full((n,), 0.9), all_greedy=False, top_p=torch.full((n,), 0.9),
+                        seeded=[(i, seed_for_token(i, 0)) for i in range(n)])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = Sampler(True)(logits.clone(), t).tokens
+        torch.set_num_threads(2)
+        two = Sampler(True)(logits.clone(), t).tokens
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
