@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from nanokv import LLM, SamplingParams
+from nanokv import LLM, SamplingParams, kernels
 from nanokv.layers.sampler import CANDIDATES, Sampler, SamplingTensors, greedy_tokens
 
 from .conftest import random_prompts
@@ -69,11 +69,17 @@ def expected_distribution(logits, temperature, top_k, top_p, min_p):
     return probs / probs.sum()
 
 
+# the sampler's two paths on the CPU: torch, and the C kernels where they build
+PATHS = [pytest.param(False, id="torch"),
+         pytest.param(True, id="c", marks=pytest.mark.skipif(not kernels.available(), reason="no CPU kernels"))]
+
+
+@pytest.mark.parametrize("cpu_kernels", PATHS)
 @pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
     (1.0, -1, 1.0, 0.0), (0.5, -1, 1.0, 0.0), (1.5, 3, 1.0, 0.0), (1.0, -1, 0.7, 0.0),
     (1.0, -1, 1.0, 0.2), (0.8, 4, 0.8, 0.05),
 ])
-def test_sample_distribution_matches_masked_softmax(temperature, top_k, top_p, min_p):
+def test_sample_distribution_matches_masked_softmax(temperature, top_k, top_p, min_p, cpu_kernels):
     logits = torch.tensor([2.0, 1.5, 1.0, 0.7, 0.3, 0.0, -0.5, -1.0])
     n, vocab = 4000, logits.numel()
 
@@ -85,7 +91,7 @@ def test_sample_distribution_matches_masked_softmax(temperature, top_k, top_p, m
                         top_p=full(top_p) if top_p < 1 else None,
                         min_p=full(min_p) if min_p > 0 else None)
     gen = torch.Generator().manual_seed(0)
-    drawn = Sampler()(logits.repeat(n, 1), t, gen).tokens
+    drawn = Sampler(cpu_kernels)(logits.repeat(n, 1), t, gen).tokens
     empirical = torch.bincount(drawn, minlength=vocab).float() / n
     expected = expected_distribution(logits, temperature, top_k, top_p, min_p)
     assert (empirical[expected == 0] == 0).all()
@@ -99,10 +105,11 @@ def flat_logits(vocab, seed=0):
     return torch.linspace(3, -3, vocab)[torch.randperm(vocab, generator=g)]
 
 
+@pytest.mark.parametrize("cpu_kernels", PATHS)
 @pytest.mark.parametrize("temperature, top_p, min_p", [
     (1.0, 1.0, 0.0), (1.0, 0.9, 0.0), (0.7, 0.95, 0.0), (1.0, 1.0, 0.01), (1.0, 0.8, 0.05),
 ])
-def test_kept_sets_larger_than_the_candidates_match_a_full_sort(temperature, top_p, min_p):
+def test_kept_sets_larger_than_the_candidates_match_a_full_sort(temperature, top_p, min_p, cpu_kernels):
     """Rows whose kept set reaches past the candidates go on drawing among the other tokens
     (and reject what top-p / min-p drop): the distribution is still the full-sort one."""
     vocab, n = 300, 40000
@@ -112,7 +119,7 @@ def test_kept_sets_larger_than_the_candidates_match_a_full_sort(temperature, top
     t = SamplingTensors(torch.full((n,), temperature), all_greedy=False,
                         top_p=torch.full((n,), top_p) if top_p < 1 else None,
                         min_p=torch.full((n,), min_p) if min_p > 0 else None)
-    drawn = Sampler()(logits.repeat(n, 1), t, torch.Generator().manual_seed(1)).tokens
+    drawn = Sampler(cpu_kernels)(logits.repeat(n, 1), t, torch.Generator().manual_seed(1)).tokens
     empirical = torch.bincount(drawn, minlength=vocab).float() / n
     assert (empirical[expected == 0] == 0).all()
     by_rank = expected.argsort(descending=True).view(30, 10)  # 30 groups of 10 tokens by probability

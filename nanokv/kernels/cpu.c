@@ -1107,3 +1107,438 @@ void nk_decoder_layer(const struct nk_layer *l, const struct nk_step *s, const f
     nk_linear_silu_mul(s->normed, T, H, l->gate_up, l->fmt, l->I, l->gate_up_bias, s->act);
     nk_linear(s->act, T, l->I, l->down, l->fmt, H, l->down_bias, out);
 }
+
+/* ---- sampling (nanokv/layers/sampler.py): top candidates, and the full-vocabulary draw ----
+ * Row by row (OpenMP over rows), each row's work in a per-thread scratch row that stays in
+ * L2. Written to round like the torch expressions of sampler.py, operation for operation
+ * (a product torch rounds before a subtraction goes through rounded(): no multiply-add);
+ * the weights are exp2 to about an ulp, and sums differ from torch's in order (float32
+ * blocks of SB weights, added in double). Candidates are exact: those of a full sort. */
+
+#define SB 256 /* weights per block sum */
+
+/* x as a rounded float32: an opaque value, which no multiply-add can absorb */
+static inline float rounded(float x) {
+    __asm__ volatile("" : "+m"(x));
+    return x;
+}
+
+/* A float's bits as an int32 that orders like the float (-0 below +0, NaN above +inf). */
+static inline int32_t fkey(float x) {
+    int32_t b;
+    memcpy(&b, &x, 4);
+    return b ^ ((b >> 31) & 0x7fffffff);
+}
+
+static inline float unkey(int32_t k) {
+    int32_t b = k ^ ((k >> 31) & 0x7fffffff);
+    float x;
+    memcpy(&x, &b, 4);
+    return x;
+}
+
+/* The k-th largest (k >= 1) of a[0..n) (reordered). */
+static int32_t kth_largest(int32_t *a, long n, long k) {
+    long lo = 0, hi = n - 1, want = k - 1; /* a[want] once sorted descending */
+    while (lo < hi) {
+        int32_t p = a[lo + (hi - lo) / 2];
+        long i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > p) i++;
+            while (a[j] < p) j--;
+            if (i <= j) {
+                int32_t t = a[i];
+                a[i++] = a[j];
+                a[j--] = t;
+            }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else return p;
+    }
+    return a[want];
+}
+
+struct cand { int32_t key, id; };
+
+static int cand_cmp(const void *pa, const void *pb) {
+    const struct cand *a = pa, *b = pb;
+    if (a->key != b->key) return a->key < b->key ? 1 : -1;
+    return (a->id > b->id) - (a->id < b->id);
+}
+
+/* The k best of n (key, id) items given in ascending id order (larger key first, then lower
+ * id), sorted so, into out[0..k). tmp: n ints. */
+static void select_best(const int32_t *keys, const int32_t *ids, long n, long k, int32_t *tmp, struct cand *out) {
+    memcpy(tmp, keys, sizeof(int32_t) * n);
+    int32_t t = kth_largest(tmp, n, k);
+    long above = 0, got = 0;
+    for (long i = 0; i < n; i++) above += keys[i] > t;
+    long ties = k - above;
+    for (long i = 0; i < n && got < k; i++) {
+        if (keys[i] > t || (keys[i] == t && ties-- > 0)) out[got++] = (struct cand){keys[i], ids ? ids[i] : (int32_t)i};
+    }
+    if (k <= 64) { /* insertion sort, stable: items came in id order */
+        for (long i = 1; i < k; i++) {
+            struct cand c = out[i];
+            long j = i - 1;
+            while (j >= 0 && out[j].key < c.key) {
+                out[j + 1] = out[j];
+                j--;
+            }
+            out[j + 1] = c;
+        }
+    } else {
+        qsort(out, k, sizeof *out, cand_cmp);
+    }
+}
+
+static inline int32_t block_max_key(const float *x, long B) {
+    v8i m = {};
+    m -= 0x7fffffff;
+    m -= 1; /* INT32_MIN in every lane */
+    for (long j = 0; j < B; j += 8) {
+        v8i b;
+        memcpy(&b, x + j, 32);
+        b ^= (b >> 31) & 0x7fffffff;
+        v8i gt = b > m;
+        m = (b & gt) | (m & ~gt);
+    }
+    v8i h = __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3), gt = h > m;
+    m = (h & gt) | (m & ~gt);
+    h = __builtin_shufflevector(m, m, 2, 3, 0, 1, 6, 7, 4, 5), gt = h > m;
+    m = (h & gt) | (m & ~gt);
+    return m[0] > m[1] ? m[0] : m[1];
+}
+
+/* One row's k largest logits, largest first (ties: lower id first), as sampler.py's
+ * top_candidates: blocks of B, the k blocks with the largest maxima, then the best k of
+ * those blocks and the ragged end (B == 0: of the whole row). work: 5 * V ints. */
+static void top_row(const float *x, long V, long k, long B, int32_t *work, float *vals, int64_t *ids) {
+    long P = 0;
+    int32_t *pk = work, *pid = work + V, *tmp = work + 2 * V; /* V ints each */
+    struct cand *best = (struct cand *)(work + 3 * V);        /* k <= V items of 2 ints */
+    if (B) {
+        long nb = V / B;
+        int32_t *mk = tmp, *mtmp = tmp + nb; /* tmp holds 2 nb <= V ints until the pool is built */
+        for (long b = 0; b < nb; b++) mk[b] = block_max_key(x + b * B, B);
+        memcpy(mtmp, mk, sizeof(int32_t) * nb);
+        int32_t t = kth_largest(mtmp, nb, k);
+        long above = 0;
+        for (long b = 0; b < nb; b++) above += mk[b] > t;
+        long ties = k - above;
+        /* the k chosen blocks each hold a key >= t, so the k best do too: only those join */
+        for (long b = 0; b < nb; b++) {
+            if (!(mk[b] > t || (mk[b] == t && ties-- > 0))) continue;
+            for (long j = b * B; j < (b + 1) * B; j++) {
+                int32_t kj = fkey(x[j]);
+                pk[P] = kj;
+                pid[P] = (int32_t)j;
+                P += kj >= t;
+            }
+        }
+        for (long j = nb * B; j < V; j++) {
+            int32_t kj = fkey(x[j]);
+            pk[P] = kj;
+            pid[P] = (int32_t)j;
+            P += kj >= t;
+        }
+        select_best(pk, pid, P, k, tmp, best);
+    } else {
+        for (long j = 0; j < V; j++) pk[j] = fkey(x[j]);
+        select_best(pk, 0, V, k, tmp, best);
+    }
+    for (long i = 0; i < k; i++) {
+        vals[i] = unkey(best[i].key);
+        ids[i] = best[i].id;
+    }
+}
+
+/* vals, ids [n, k]: the k largest logits of each row rows[i] of logits [*, V] (rows NULL:
+ * row i), largest first, ties lower id first. B: the block size (0: no blocks). */
+void nk_top_candidates(const float *logits, long V, const int64_t *rows, long n, long k, long B, float *vals,
+                       int64_t *ids) {
+#pragma omp parallel if (n > 1)
+    {
+        int32_t *work = malloc(sizeof(int32_t) * 5 * V);
+#pragma omp for schedule(dynamic, 4)
+        for (long i = 0; i < n; i++) {
+            long r = rows ? rows[i] : i;
+            top_row(logits + r * V, V, k, B, work, vals + i * k, ids + i * k);
+        }
+        free(work);
+    }
+}
+
+static inline int any_lane(vi m) {
+#if VW == 16
+    v8i a = __builtin_shufflevector(m, m, 0, 1, 2, 3, 4, 5, 6, 7) | __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    v8i a = m;
+#endif
+    a |= __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3);
+    a |= __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5);
+    return (a[0] | a[1]) != 0;
+}
+
+/* 2^f for f in [-1/2, 1/2]: a degree-6 fit, relative error 2e-9 (an ulp is 6e-8); p(0) = 1 */
+static inline vf exp2_poly(vf f) {
+    vf p = splat(1.5337576956435538e-04f);
+    p = p * f + splat(1.3399860363225973e-03f);
+    p = p * f + splat(9.618519533915487e-03f);
+    p = p * f + splat(5.550328997516871e-02f);
+    p = p * f + splat(2.4022646608717138e-01f);
+    p = p * f + splat(6.93147205600511e-01f);
+    return p * f + splat(1.0f);
+}
+
+/* 2^t for t <= 0 (0 below -150 and for -inf), to about an ulp: 2^n * p(f), n = round(t);
+ * below 2^-126, 2^n is applied as two factors so that the result rounds once to a
+ * subnormal, as exp2f's does. 2^-k is exact. */
+static inline vf exp2_neg(vf t) {
+    vi low = t < splat(-126.0f);
+    if (!any_lane(low)) {
+        vi n = __builtin_convertvector(t - splat(0.5f), vi); /* t <= 0: truncation rounds half away from 0 */
+        vi bits = (n + 127) << 23;
+        vf s;
+        memcpy(&s, &bits, sizeof s);
+        return exp2_poly(t - __builtin_convertvector(n, vf)) * s;
+    }
+    vi below = t < splat(-150.0f);
+    t = selectv(below, splat(-150.0f), t);
+    vi n = __builtin_convertvector(t - splat(0.5f), vi);
+    vf p = exp2_poly(t - __builtin_convertvector(n, vf));
+    vi n1 = n >> 1, n2 = n - n1; /* each >= -75 */
+    vf s1, s2;
+    vi b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
+    memcpy(&s1, &b1, sizeof s1);
+    memcpy(&s2, &b2, sizeof s2);
+    return (vf)((vi)(p * s1 * s2) & ~below);
+}
+
+/* e[j] = 2^((x[j] - m) * scale), bs[b] the float sum of block b of SB; returns the total */
+static double weights_row(const float *x, long V, float m, float scale, float *e, float *bs) {
+    double total = 0;
+    for (long b0 = 0, b = 0; b0 < V; b0 += SB, b++) {
+        long end = b0 + SB < V ? b0 + SB : V, j = b0;
+        vf acc = splat(0);
+        for (; j + VW <= end; j += VW) {
+            vf w = exp2_neg((loadv(x + j) - splat(m)) * splat(scale));
+            storev(e + j, w);
+            acc += w;
+        }
+        float s = hsum(acc);
+        for (; j < end; j++) {
+            vf w = exp2_neg(splat((x[j] - m) * scale));
+            e[j] = w[0];
+            s += w[0];
+        }
+        bs[b] = s;
+        total += s;
+    }
+    return total;
+}
+
+static float block_sum(const float *e, long b0, long end) {
+    vf acc = splat(0);
+    long j = b0;
+    for (; j + VW <= end; j += VW) acc += loadv(e + j);
+    float s = hsum(acc);
+    for (; j < end; j++) s += e[j];
+    return s;
+}
+
+/* zero every weight at or below wt, refresh the block sums; the total */
+static double zero_up_to(float *e, long V, float wt, float *bs) {
+    double total = 0;
+    for (long b0 = 0, b = 0; b0 < V; b0 += SB, b++) {
+        long end = b0 + SB < V ? b0 + SB : V, j = b0;
+        for (; j + VW <= end; j += VW) {
+            vf w = loadv(e + j);
+            storev(e + j, (vf)((vi)w & (w > splat(wt))));
+        }
+        for (; j < end; j++) e[j] = e[j] > wt ? e[j] : 0;
+        bs[b] = block_sum(e, b0, end);
+        total += bs[b];
+    }
+    return total;
+}
+
+static float sum_above(const float *e, long V, float wt) {
+    double total = 0;
+    for (long b0 = 0; b0 < V; b0 += SB) {
+        long end = b0 + SB < V ? b0 + SB : V, j = b0;
+        vf acc = splat(0);
+        for (; j + VW <= end; j += VW) {
+            vf w = loadv(e + j);
+            acc += (vf)((vi)w & (w > splat(wt)));
+        }
+        float s = hsum(acc);
+        for (; j < end; j++) s += e[j] > wt ? e[j] : 0;
+        total += s;
+    }
+    return (float)total;
+}
+
+/* The first token (id order) whose running weight exceeds target; past the total, the last
+ * token of positive weight (0 if none). */
+static long locate_row(const float *e, long V, const float *bs, double target) {
+    double acc = 0;
+    long b0 = 0, b = 0;
+    for (; b0 < V && acc + bs[b] <= target; b0 += SB, b++) acc += bs[b];
+    for (long j = b0; j < V; j++) {
+        acc += e[j];
+        if (acc > target && e[j] > 0) return j;
+    }
+    for (long j = V - 1; j > 0; j--)
+        if (e[j] > 0) return j;
+    return 0;
+}
+
+/* splitmix64 of (key, draw): sampler.py's seeded_uniform, bit for bit */
+static inline float nk_uniform(uint64_t key, long draw) {
+    uint64_t x = key + (uint64_t)(draw + 1) * 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return (float)((x ^ (x >> 31)) >> 40) / 16777216.0f;
+}
+
+/* The rest of a draw past the candidates w, cum, cids [c] (sampler.py's _draw_past_candidates):
+ * rest located among the other tokens (e: every token's weight, the candidates' zeroed; bs:
+ * its block sums) in id order; a token that top_p or min_p (< 0: off) drops is rejected and
+ * the row drawn again among the tokens more likely than it, candidates first (the uniforms
+ * nk_uniform(key, 1, 2, ...)). z: the weight of the row. */
+static long draw_past(float *e, long V, float *bs, float rest, float z, const float *w, const float *cum,
+                      const int64_t *cids, long c, float top_p, float min_p, uint64_t key) {
+    for (long draw = 1;; draw++) {
+        long pick = locate_row(e, V, bs, rest);
+        float wt = e[pick];
+        int ok = wt > 0;
+        if (ok && top_p < 1) {
+            float cw = 0;
+            for (long q = 0; q < c; q++) cw += w[q] > wt ? w[q] : 0;
+            ok = sum_above(e, V, wt) + cw < top_p * z;
+        }
+        if (ok && min_p >= 0) ok = wt >= min_p;
+        if (ok) return pick;
+        /* every token as likely as a rejected one is dropped too: draw again above it */
+        float rest_w = (float)zero_up_to(e, V, wt, bs), cw = 0;
+        for (long q = 0; q < c; q++) cw += w[q] > wt ? w[q] : 0;
+        float target = rounded(nk_uniform(key, draw) * (cw + rest_w));
+        if (target < cw) {
+            long q = 0;
+            while (q < c - 1 && !(cum[q] > target)) q++;
+            return cids[q];
+        }
+        rest = target - cw;
+    }
+}
+
+/* One token for each of the n rows rows[i] (NULL: i) of logits [*, V] with top_k off, and
+ * z[i], the weight of its row: sampler.py's sample_rows for such rows, whole. Its c
+ * candidates (top_row, blocks of B) weighted w = 2^((logit - max) * scale[i]); top_p and
+ * min_p (NULL: off) cut inside them, or the first uniform u[i] lands in them: the token is
+ * a candidate; else the draw goes on past them (draw_past, its later uniforms from keys[i]). */
+void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, long c, long B, const float *scale,
+                    const float *u, const int64_t *keys, const float *top_p, const float *min_p, float *z,
+                    int64_t *tokens) {
+    long nbk = (V + SB - 1) / SB;
+#pragma omp parallel if (n > 1)
+    {
+        int32_t *work = malloc(sizeof(int32_t) * 5 * V);
+        float *e = malloc(sizeof(float) * (V + nbk + 3 * c)), *bs = e + V, *vals = bs + nbk, *w = vals + c,
+              *cum = w + c;
+        int64_t *ids = malloc(sizeof(int64_t) * c);
+#pragma omp for schedule(dynamic, 1)
+        for (long i = 0; i < n; i++) {
+            const float *x = logits + (rows ? rows[i] : i) * V;
+            float p = top_p ? top_p[i] : 1, mp = min_p ? min_p[i] : -1;
+            top_row(x, V, c, B, work, vals, ids);
+            float m = vals[0];
+            double acc = 0;
+            for (long q = 0; q < c; q++) {
+                w[q] = exp2_neg(splat((vals[q] - m) * scale[i]))[0];
+                cum[q] = (float)(acc += w[q]);
+            }
+            float cand = cum[c - 1], before_last = cand - w[c - 1];
+            int cut = c >= V || w[c - 1] == 0 || w[c - 1] < mp; /* the kept set ends inside the candidates */
+            float zf = (float)weights_row(x, V, m, scale[i], e, bs);
+            z[i] = zf;
+            int inside = cut || (p < 1 && before_last >= p * zf);
+            float uz = rounded(u[i] * zf);
+            if (!inside && uz >= cand) {
+                for (long q = 0; q < c; q++) e[ids[q]] = 0; /* the tokens past the candidates */
+                for (long q = 0; q < c; q++) {              /* their blocks' sums again */
+                    long b0 = ids[q] / SB * SB;
+                    bs[b0 / SB] = block_sum(e, b0, b0 + SB < V ? b0 + SB : V);
+                }
+                tokens[i] = draw_past(e, V, bs, uz - cand, zf, w, cum, ids, c, p, mp, (uint64_t)keys[i]);
+                continue;
+            }
+            long kept_n = 0; /* every option keeps a prefix */
+            for (long q = 0; q < c; q++) kept_n += w[q] > 0 && (p >= 1 || cum[q] - w[q] < p * zf) && w[q] >= mp;
+            float kept = cum[kept_n - 1], limit = inside ? kept : cand;
+            float target = u[i] * (inside ? kept : zf);
+            float t = fminf(target, nextafterf(limit, 0));
+            long q = 0;
+            while (q < c - 1 && !(cum[q] > t)) q++;
+            tokens[i] = ids[q];
+        }
+        free(ids);
+        free(e);
+        free(work);
+    }
+}
+
+/* For the n rows rows[i] (NULL: i) of logits [*, V]: lse[i], the log-sum-exp (max + log of
+ * the sum of 2^((logit - max) * log2(e))), above[i], how many logits exceed picked[i], and
+ * (k > 0) its k largest logits and their ids (vals, ids [n, k], top_row with blocks of B),
+ * found first so that the row is in cache for the sum. */
+void nk_logprobs(const float *logits, long V, const int64_t *rows, long n, const float *picked, long k, long B,
+                 float *lse, int64_t *above, float *vals, int64_t *ids) {
+#pragma omp parallel if (n > 1)
+    {
+        int32_t *work = k > 0 ? malloc(sizeof(int32_t) * 5 * V) : 0;
+#pragma omp for schedule(static)
+        for (long i = 0; i < n; i++) {
+            const float *x = logits + (rows ? rows[i] : i) * V;
+            float m = -INFINITY;
+            long j = 0;
+            if (k > 0) {
+                top_row(x, V, k, B, work, vals + i * k, ids + i * k);
+                m = vals[i * k];
+            } else {
+                vf mv = splat(-INFINITY);
+                for (; j + VW <= V; j += VW) {
+                    vf v = loadv(x + j);
+                    mv = selectv(v > mv, v, mv);
+                }
+                for (int q = 0; q < VW; q++) m = mv[q] > m ? mv[q] : m;
+                for (; j < V; j++) m = x[j] > m ? x[j] : m;
+            }
+            const float scale = 1.44269504088896341f, p = picked[i];
+            double total = 0;
+            long count = 0;
+            for (long b0 = 0; b0 < V; b0 += SB) {
+                long end = b0 + SB < V ? b0 + SB : V;
+                vf acc = splat(0);
+                vi cnt = {};
+                for (j = b0; j + VW <= end; j += VW) {
+                    vf v = loadv(x + j);
+                    acc += exp2_neg((v - splat(m)) * splat(scale));
+                    cnt -= v > splat(p);
+                }
+                float s = hsum(acc);
+                for (int q = 0; q < VW; q++) count += cnt[q];
+                for (; j < end; j++) {
+                    s += exp2_neg(splat((x[j] - m) * scale))[0];
+                    count += x[j] > p;
+                }
+                total += s;
+            }
+            lse[i] = m + logf((float)total);
+            above[i] = count;
+        }
+        free(work);
+    }
+}

@@ -250,6 +250,51 @@ def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim:
     return q, k
 
 
+def top_candidates(logits: torch.Tensor, k: int, rows: torch.Tensor | None, block: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest logits of each row (rows [n] int64 of logits [N, V], None: all) and their
+    ids, [n, k] each, largest first, ties lower id first: exactly a full sort's. block: the
+    block size of the block maxima searched first (0: the whole row)."""
+    n = len(logits) if rows is None else len(rows)
+    vals = torch.empty(n, k)
+    ids = torch.empty(n, k, dtype=torch.long)
+    lib().nk_top_candidates(logits.data_ptr(), logits.shape[1], ptr(rows), n, k, block, vals.data_ptr(),
+                            ids.data_ptr())
+    return vals, ids
+
+
+def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, c: int, block: int, scale: torch.Tensor,
+                u: torch.Tensor, keys: torch.Tensor, top_p: torch.Tensor | None, min_p: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [n] int64, z [n] float32: the weight of each row) for n sampled rows with top_k
+    off (rows [n] int64 of logits [N, V], None: all), c candidates each (found with blocks of
+    `block`, 0: none); [n] float32 scale (log2(e) / T), u (the first uniform), top_p and min_p
+    (None: off), int64 keys (of the later uniforms). cpu.c's nk_sample_rows."""
+    n = len(u)
+    tokens, z = torch.empty(n, dtype=torch.long), torch.empty(n)
+    args = [None if x is None else x.to(dtype).contiguous() for x, dtype in
+            [(rows, torch.long), (scale, torch.float32), (u, torch.float32), (keys, torch.long),
+             (top_p, torch.float32), (min_p, torch.float32)]]
+    lib().nk_sample_rows(logits.data_ptr(), logits.shape[1], ptr(args[0]), n, c, block, *[ptr(x) for x in args[1:]],
+                         z.data_ptr(), tokens.data_ptr())
+    return tokens, z
+
+
+def logprobs(logits: torch.Tensor, rows: torch.Tensor | None, picked: torch.Tensor, k: int, block: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lse [n] float32: each row's log-sum-exp, above [n] int64: how many of its logits exceed
+    picked [n], and its k largest logits and their ids [n, k], as top_candidates with blocks of
+    `block`) for the n rows rows (int64, None: all) of logits [N, V]; cpu.c's nk_logprobs."""
+    n = len(picked)
+    lse, above = torch.empty(n), torch.empty(n, dtype=torch.long)
+    vals, ids = torch.empty(n, k), torch.empty(n, k, dtype=torch.long)
+    rows = None if rows is None else rows.to(torch.long).contiguous()
+    picked = picked.float().contiguous()
+    lib().nk_logprobs(logits.data_ptr(), logits.shape[1], ptr(rows), n, picked.data_ptr(), k, block, lse.data_ptr(),
+                      above.data_ptr(), vals.data_ptr(), ids.data_ptr())
+    return lse, above, vals, ids
+
+
 def decoder_layer(layer: NkLayer, step: NkStep, x: torch.Tensor, residual: torch.Tensor, first: bool,
                   last: bool, out: torch.Tensor) -> None:
     """One decoder layer: x [T, H] -> out [T, H] (may be x), residual [T, H] updated in place

@@ -22,6 +22,13 @@ A seeded row's uniforms are a hash of (seed, token index, draw number) and nothi
 its token depends neither on the batch nor on preemption; the other rows draw from the
 engine's generator. On the CPU the full-vocabulary passes go a few MiB of rows at a time,
 in one buffer kept across steps, so that each chunk's passes run in cache.
+
+With the CPU kernels (cpu.c, where they build) the same draw runs in C row by row, each row
+in cache from its candidates to its token (nk_sample_rows, for rows with top_k off: the
+draws past the candidates, which flat distributions make common, cost a pass or two of a
+row in L2 instead of several over the batch); the candidates of the other rows and
+logprobs' statistics are C calls too. Its later uniforms (redraws) are seeded_uniform's of a
+key: the row's own, or one drawn from the generator.
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from nanokv import kernels
+from nanokv.kernels import ops
 
 CANDIDATES = 64  # tokens sorted per row when top_k is off (SmolLM2 at T 0.8: 88% of nuclei fit)
 _CHUNK_BYTES = 4 << 20  # CPU: rows of token weights per chunk
@@ -142,12 +152,22 @@ class Sampler:
     """Samples one token per row. The logits are overwritten where min_tokens masks or
     penalties apply."""
 
-    def __init__(self):
+    def __init__(self, cpu_kernels: bool | None = None):
         self._scratch = torch.empty(0)  # two CPU chunk buffers, kept: fresh memory page-faults
+        self._cpu_kernels = cpu_kernels  # CPU logits on the C kernels; None: where they build (decided once)
+
+    def _kernels(self, logits: torch.Tensor) -> bool:
+        if logits.device.type != "cpu":
+            return False
+        if self._cpu_kernels is None:
+            self._cpu_kernels = kernels.available()
+        return self._cpu_kernels
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors,
                  generator: torch.Generator | None = None) -> SamplerOutput:
         logits = logits.float()  # [N, V]
+        if self._kernels(logits):
+            logits = logits.contiguous()
         if t.banned is not None:
             logits[t.banned] = float("-inf")
         if t.penalty_ids is not None:
@@ -165,16 +185,20 @@ class Sampler:
         rows = t.logprob_rows
         tokens = out.tokens if rows is None else out.tokens[rows]
         picked = logits.gather(1, tokens[:, None]) if rows is None else logits[rows, tokens][:, None]  # [A, 1]
-        m = logits.amax(dim=1, keepdim=True)
-        m = m if rows is None else m[rows]
-        scale = torch.full_like(m, math.log2(math.e))
-        sums = torch.cat([e.sum(dim=1) for _, e in _weights(logits, rows, m, scale, self._scratch_for(logits))])
-        lse = m.squeeze(1) + sums.log()
+        k = t.max_logprobs
+        if self._kernels(logits):  # row by row: its top k, log-sum-exp and rank in one visit
+            lse, above, vals, ids = ops.logprobs(logits, rows, picked.squeeze(1), k, _block(logits.shape[1], k))
+        else:
+            m = logits.amax(dim=1, keepdim=True)
+            m = m if rows is None else m[rows]
+            scale = torch.full_like(m, math.log2(math.e))
+            sums = torch.cat([e.sum(dim=1) for _, e in _weights(logits, rows, m, scale, self._scratch_for(logits))])
+            lse, above = m.squeeze(1) + sums.log(), _count_above(logits, rows, picked)
+            vals, ids = top_candidates(logits, k, rows) if k > 0 else (None, None)
         out.logprobs = picked.squeeze(1) - lse
-        out.ranks = _count_above(logits, rows, picked) + 1
-        if t.max_logprobs > 0:
-            vals, out.top_ids = top_candidates(logits, t.max_logprobs, rows)
-            out.top_logprobs = vals - lse[:, None]
+        out.ranks = above + 1
+        if k > 0:
+            out.top_ids, out.top_logprobs = ids, vals - lse[:, None]
 
     def _draw(self, logits: torch.Tensor, t: SamplingTensors, generator) -> torch.Tensor:
         """Greedy rows: argmax; the others: sample_rows."""
@@ -183,15 +207,16 @@ class Sampler:
         keys = dict(t.seeded or ())
         keys = [keys.get(i) for i in sampled]
         scratch = self._scratch_for(logits)
+        c = self._kernels(logits)
         if len(sampled) == len(temps):
-            return sample_rows(logits, None, RowSettings.build(t, None, logits.shape[1]), keys, generator, scratch)
+            return sample_rows(logits, None, RowSettings.build(t, None, logits.shape[1]), keys, generator, scratch, c)
         dev = logits.device
         tokens = torch.empty(len(temps), dtype=torch.long, device=dev)
         greedy = torch.tensor([i for i, x in enumerate(temps) if x <= 0], dtype=torch.long, device=dev)
         tokens[greedy] = greedy_tokens(logits[greedy])
         rows = torch.tensor(sampled, dtype=torch.long, device=dev)
         settings = RowSettings.build(t, rows, logits.shape[1])
-        tokens[rows] = sample_rows(logits, rows, settings, keys, generator, scratch)
+        tokens[rows] = sample_rows(logits, rows, settings, keys, generator, scratch, c)
         return tokens
 
     def _scratch_for(self, logits: torch.Tensor):
@@ -236,15 +261,24 @@ class RowSettings(NamedTuple):
     def chunk(self, rows: slice) -> "RowSettings":
         return RowSettings(*(None if x is None else x[rows] for x in self))
 
+    def select(self, index: torch.Tensor, positions: list[int]) -> "RowSettings":
+        """The rows at positions (also as index, a tensor)."""
+        return RowSettings(*(None if x is None else [x[i] for i in positions] if isinstance(x, list) else x[index]
+                             for x in self))
+
 
 def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings,
-                keys: list[int | None], generator: torch.Generator | None, scratch=None) -> torch.Tensor:
+                keys: list[int | None], generator: torch.Generator | None, scratch=None,
+                cpu_kernels: bool = False) -> torch.Tensor:
     """One token for each of the n sampled rows (rows of logits, None: all), [n] int64.
     keys: each row's seeded key (seed_for_token), None for the generator's draws.
-    scratch(i, rows, vocab): CPU buffer i (0 or 1), reused from chunk to chunk (None: allocate)."""
+    scratch(i, rows, vocab): CPU buffer i (0 or 1), reused from chunk to chunk (None: allocate).
+    cpu_kernels: in C (CPU logits, contiguous): the candidates, and rows with top_k off whole."""
     vocab = logits.shape[1]
+    if cpu_kernels and any(s.off_list):
+        return _sample_rows_c(logits, rows, s, keys, generator, scratch)
     u = uniforms(keys, 0, generator, logits.device)
-    vals, ids = top_candidates(logits, max(s.k_list), rows)  # [n, k], largest first
+    vals, ids = top_candidates(logits, max(s.k_list), rows, cpu_kernels)  # [n, k], largest first
     m = vals[:, :1]
     scale = s.scale[:, None]
     w = torch.exp2((vals - m) * scale)  # candidate weights, the largest 1
@@ -292,6 +326,41 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings,
     target = u * torch.where(inside, kept, z_top)
     drawn = _locate(cum, ids, torch.minimum(target, torch.nextafter(limit, torch.zeros_like(limit))))
     return torch.where(past, tokens, drawn)
+
+
+def _sample_rows_c(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings, keys: list[int | None],
+                   generator: torch.Generator | None, scratch) -> torch.Tensor:
+    """sample_rows on the C kernels: the rows with top_k off in one call (cpu.c's
+    nk_sample_rows, the same draw row by row, each row in cache from its candidates to its
+    token), the others through sample_rows with their candidates in C."""
+    vocab, n = logits.shape[1], len(keys)
+    off = [i for i, x in enumerate(s.off_list) if x]
+    index = torch.tensor(off)
+    on = [i for i, x in enumerate(s.off_list) if not x]
+    part = s.select(index, off)
+    c = min(CANDIDATES, vocab)
+    part_keys = [keys[i] for i in off]
+    drawn, _ = ops.sample_rows(logits, index if rows is None else rows[index], c, _block(vocab, c), part.scale,
+                               uniforms(part_keys, 0, generator, logits.device), _later_keys(part_keys, generator),
+                               part.top_p, part.min_p)
+    if not on:
+        return drawn
+    tokens = torch.empty(n, dtype=torch.long)
+    tokens[index] = drawn
+    others = torch.tensor(on)
+    tokens[others] = sample_rows(logits, others if rows is None else rows[others], s.select(others, on),
+                                 [keys[i] for i in on], generator, scratch, True)
+    return tokens
+
+
+def _later_keys(keys: list[int | None], generator: torch.Generator | None) -> torch.Tensor:
+    """[n] int64: the keys of each row's later uniforms (seeded_uniform(key, 1, 2, ...)) in the
+    C draw: seeded rows' own, a key from the generator for the others."""
+    free = [i for i, k in enumerate(keys) if k is None]
+    out = torch.tensor([0 if k is None else k for k in keys], dtype=torch.long)
+    if free:
+        out[free] = torch.randint(0, 1 << 62, (len(free),), generator=generator)
+    return out
 
 
 def _inside(cut: torch.Tensor, before_last: torch.Tensor, top_p: torch.Tensor | None, part: slice,
@@ -426,18 +495,21 @@ def uniforms(keys: list[int | None], draw: int, generator: torch.Generator | Non
     return u
 
 
-def top_candidates(logits: torch.Tensor, k: int,
-                   rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def top_candidates(logits: torch.Tensor, k: int, rows: torch.Tensor | None = None,
+                   cpu_kernels: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest logits of each row (rows of logits, None: all) and their token ids,
     [n, k] each, largest first (ties: lower id first). The k largest lie in the k blocks
-    with the largest maxima, so after one pass of block maxima only those are searched."""
+    with the largest maxima, so after one pass of block maxima only those are searched.
+    cpu_kernels: in C, row by row (CPU logits, contiguous)."""
     vocab = logits.shape[1]
     n = len(logits) if rows is None else len(rows)
-    block = 2 ** round(math.log2(max(1.0, math.sqrt(vocab / k))))
-    num_blocks = vocab // block
-    if block < 8 or num_blocks < 4 * k:
+    block = _block(vocab, k)
+    if cpu_kernels:
+        return ops.top_candidates(logits, k, rows, block)
+    if block == 0:
         vals, ids = (logits if rows is None else logits[rows]).topk(k, dim=1, sorted=False)
     else:
+        num_blocks = vocab // block
         full = num_blocks * block
         blocks = logits[:, :full].view(len(logits), num_blocks, block)
         maxima = blocks.amax(dim=2)  # [N, num_blocks], for every row: cheaper than picking rows first
@@ -453,6 +525,13 @@ def top_candidates(logits: torch.Tensor, k: int,
     ids, order = ids.sort(dim=1)
     vals, order = vals.gather(1, order).sort(dim=1, descending=True, stable=True)
     return vals, ids.gather(1, order)
+
+
+def _block(vocab: int, k: int) -> int:
+    """top_candidates' block size for k of vocab: about sqrt(vocab / k), a power of two; 0 (the
+    whole row searched) where blocks would be under 8 or fewer than 4 k."""
+    block = 2 ** round(math.log2(max(1.0, math.sqrt(vocab / max(k, 1)))))
+    return 0 if block < 8 or vocab // block < 4 * k else block
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> None:

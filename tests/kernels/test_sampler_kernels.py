@@ -1,0 +1,145 @@
+"""The sampler's C kernels (cpu.c's nk_top_candidates, nk_sample_rows) against a full sort
+and against the sampler's torch path, at both vector widths."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nanokv import kernels
+from nanokv.layers import sampler as sampler_module
+from nanokv.layers.sampler import Sampler, SamplingTensors, seed_for_token
+
+from .test_cpu_kernels import width  # noqa: F401  (the fixture: both vector widths)
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: CPU kernels not built")
+
+
+def full_sort(x, k):
+    """The k largest of each row, largest first, ties lower id first (a stable sort)."""
+    vals, ids = x.sort(dim=1, descending=True, stable=True)
+    return vals[:, :k], ids[:, :k]
+
+
+@pytest.mark.parametrize("vocab", [300, 5000, 49152])
+def test_top_candidates_are_a_full_sorts(width, vocab):  # noqa: F811
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=g)
+    x[1] = torch.randint(-5, 3, (vocab,), generator=g).float()  # ties everywhere, and at the cut
+    x[2, ::3] = float("-inf")
+    x[3, -7:] += 10  # the leaders in the ragged end
+    rows = torch.tensor([4, 1, 1, 5])
+    for k in (1, 7, 64, 300):
+        if k > vocab // 2:
+            continue
+        block = 2 ** round(math.log2(max(1.0, math.sqrt(vocab / k))))
+        use_blocks = block >= 8 and vocab // block >= 4 * k
+        for b in ({0, block} if use_blocks else {0}):
+            vals, ids = kernels.ops.top_candidates(x, k, None, b)
+            ref_vals, ref_ids = full_sort(x, k)
+            assert torch.equal(ids, ref_ids) and torch.equal(vals, ref_vals), (k, b)
+            vals, ids = kernels.ops.top_candidates(x, k, rows, b)
+            assert torch.equal(ids, ref_ids[rows]) and torch.equal(vals, ref_vals[rows])
+
+
+def test_row_weight_is_the_sum_of_exp2(width):  # noqa: F811
+    """z: the weight of the row, 2 ** ((logit - max) * scale) summed, to float32 rounding;
+    -inf logits weigh 0, weights below 2 ** -126 count as the subnormals they are."""
+    g = torch.Generator().manual_seed(2)
+    vocab, n = 3001, 5
+    x = torch.randn(n, vocab, generator=g) * 3
+    x[1, ::2] = float("-inf")
+    x[2] = torch.linspace(0, -160, vocab)  # down through the subnormals, and past them
+    x[3, 0] = 50.0
+    m = x.amax(dim=1)
+    scale = torch.tensor([1.0, 1.7, 1.0, 0.9, 3.0])
+    ref = torch.exp2((x.double() - m[:, None].double()) * scale[:, None].double()).sum(dim=1)
+    z = _z(x, scale)
+    torch.testing.assert_close(z.double(), ref, rtol=2e-6, atol=0)
+    exact = torch.randint(-11, 1, (n, vocab), generator=g).float()  # weights 2 ** -k: exact sums
+    assert torch.equal(_z(exact, torch.ones(n)).double(),
+                       torch.exp2(exact.double() - exact.amax(1, keepdim=True).double()).sum(1))
+
+
+def _z(x, scale):
+    n = len(x)
+    _, z = kernels.ops.sample_rows(x, None, 4, 0, scale, torch.zeros(n), torch.zeros(n, dtype=torch.long), None, None)
+    return z
+
+
+def stable_top_candidates(logits, k, rows=None, cpu_kernels=False):
+    """sampler.top_candidates with the torch path's ties broken as the kernel's (lower id first)."""
+    if cpu_kernels:
+        return kernels.ops.top_candidates(logits, k, rows, 0)
+    return full_sort(logits if rows is None else logits[rows], k)
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(top_p=0.9), dict(top_p=0.5), dict(min_p=0.02),
+                                      dict(top_p=0.8, min_p=0.01), dict(top_k=20, top_p=0.9)])
+def test_c_draw_equals_the_torch_draw_for_the_same_uniforms(width, monkeypatch, settings):  # noqa: F811
+    """Logits whose weights are powers of two (integer logits, log2(e) / T = 1), so that every
+    sum is exact in any order: the C path draws exactly the torch path's tokens, past the
+    candidates, through rejections and redraws; seeded rows alone or in any batch."""
+    monkeypatch.setattr(sampler_module, "top_candidates", stable_top_candidates)
+    g = torch.Generator().manual_seed(5)
+    n, vocab = 400, 3000
+    logits = torch.randint(-11, 1, (n, vocab), generator=g).float()
+    logits[::7, :40] = float("-inf")  # banned
+    temperature = torch.tensor(math.log2(math.e), dtype=torch.float32)
+    assert (math.log2(math.e) / temperature).item() == 1.0
+    vocab_t = torch.full((n,), settings.get("top_k", vocab), dtype=torch.long)
+
+    def draw(rows, cpu_kernels):
+        m = len(rows)
+        t = SamplingTensors(temperature.repeat(m), all_greedy=False,
+                            top_k=vocab_t[:m] if "top_k" in settings else None,
+                            top_p=torch.full((m,), settings["top_p"]) if "top_p" in settings else None,
+                            min_p=torch.full((m,), settings["min_p"]) if "min_p" in settings else None,
+                            seeded=[(i, seed_for_token(int(r), 3)) for i, r in enumerate(rows)])
+        return Sampler(cpu_kernels)(logits[rows].clone(), t).tokens
+
+    everything = torch.arange(n)
+    ref = draw(everything, False)
+    got = draw(everything, True)
+    assert torch.equal(got, ref)
+    assert len(set(ref.tolist())) > 200  # drawn far past the candidates
+    assert not (ref[::7] < 40).any()
+    picked = torch.tensor([17, 3, 250, 99])
+    assert torch.equal(draw(picked, True), ref[picked])
+    assert [draw(picked[i:i + 1], True).item() for i in range(4)] == ref[picked].tolist()
+
+
+def test_logprobs_are_logsumexp_rank_and_top(width):  # noqa: F811
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(7, 4099, generator=g) * 4
+    x[2, 5:] = float("-inf")
+    x[3] = torch.randint(-3, 3, (4099,), generator=g).float()  # ties with the picked logit
+    rows = torch.tensor([6, 2, 3, 3, 0])
+    picked = x[rows, torch.tensor([0, 1, 7, 100, 4098])]
+    for k, block in [(0, 0), (5, 0), (5, 16), (3, 32)]:
+        lse, above, vals, ids = kernels.ops.logprobs(x, rows, picked, k, block)
+        torch.testing.assert_close(lse, torch.logsumexp(x[rows].double(), dim=1).float(), rtol=1e-6, atol=1e-6)
+        assert above.tolist() == (x[rows] > picked[:, None]).sum(dim=1).tolist()
+        ref_vals, ref_ids = full_sort(x[rows], k)
+        assert torch.equal(ids, ref_ids) and torch.equal(vals, ref_vals)
+
+
+def test_c_draw_is_independent_of_the_thread_count(width):  # noqa: F811
+    """Rows go to threads dynamically, each row drawn whole by one: any thread count, the
+    same tokens (flat rows: most draws past the candidates, some rejected)."""
+    g = torch.Generator().manual_seed(12)
+    n, vocab = 64, 20000
+    logits = torch.randn(n, vocab, generator=g)
+    t = SamplingTensors(torch.full((n,), 0.9), all_greedy=False, top_p=torch.full((n,), 0.9),
+                        seeded=[(i, seed_for_token(i, 0)) for i in range(n)])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = Sampler(True)(logits.clone(), t).tokens
+        torch.set_num_threads(2)
+        two = Sampler(True)(logits.clone(), t).tokens
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
