@@ -279,21 +279,22 @@ def test_an_abandoned_stream_frees_its_request(llm):
 
 def test_interrupt_inside_admission_leaves_the_engine_clean(llm, reference, monkeypatch):
     """A KeyboardInterrupt raised between taking a request off the queue and admitting it
-    (here from allocate, on its k-th call) must not leave it half queued."""
-    real = BlockManager.allocate
-    for k in (1, 2, 3, 5, 8):
+    (here from allocate, on its k-th call: the five admissions), or while the decode step
+    grows its block tables (append_blocks), must not leave it half queued."""
+    for name, k in (("allocate", 1), ("allocate", 2), ("allocate", 3), ("allocate", 5), ("append_blocks", 1)):
+        real = getattr(BlockManager, name)
         calls = []
 
-        def allocate(self, *args, **kwargs):
+        def interrupted(self, *args, real=real, k=k, **kwargs):
             calls.append(1)
             if len(calls) == k:
                 raise KeyboardInterrupt
             return real(self, *args, **kwargs)
 
-        monkeypatch.setattr(BlockManager, "allocate", allocate)
+        monkeypatch.setattr(BlockManager, name, interrupted)
         with pytest.raises(KeyboardInterrupt):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        monkeypatch.setattr(BlockManager, "allocate", real)
+        monkeypatch.setattr(BlockManager, name, real)
         assert_clean(llm.llm_engine)
     assert greedy_ids(llm) == reference
 

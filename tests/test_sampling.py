@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nanokv import LLM, SamplingParams, kernels
-from nanokv.layers.sampler import CANDIDATES, Sampler, SamplingTensors
+from nanokv.layers.sampler import CANDIDATES, Sampler, SamplingTensors, greedy_tokens
 
 from .conftest import random_prompts
 
@@ -384,3 +384,26 @@ def test_skip_special_tokens(llm):
 def test_bad_sampling_values(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("vocab", [96, 1000, 1024, 1056, 49152])
+def test_greedy_tokens_equal_argmax_with_ties_infinities_and_nans(vocab):
+    """The CPU's block-maxima argmax picks exactly argmax's ids: ties go to the lowest id
+    (also across blocks), all -inf rows, +inf, NaN rows, and strided views."""
+    threads = torch.get_num_threads()
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(64, vocab, generator=g)
+    logits[1:8] = torch.randint(0, 3, (7, vocab), generator=g).float()  # many ties
+    logits[8, :] = float("-inf")
+    logits[9, vocab // 2] = float("inf")
+    logits[10, [3, vocab - 1]] = 50.0  # a tie at both ends
+    logits[11, vocab - 1] = 50.0  # the maximum in the last block
+    logits[12] = -logits[12].abs()
+    logits[12, [5, vocab // 3]] = torch.tensor([-0.0, 0.0])
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    logits[13, 7] = float("nan")
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    wide = torch.randn(32, 2 * vocab, generator=g)
+    assert torch.equal(greedy_tokens(wide[:, :vocab]), wide[:, :vocab].argmax(dim=-1))
+    assert torch.equal(greedy_tokens(wide[::2, vocab:]), wide[::2, vocab:].argmax(dim=-1))
+    assert torch.get_num_threads() == threads  # one_thread() gave the threads back

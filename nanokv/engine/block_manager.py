@@ -146,6 +146,18 @@ class BlockManager:
         self.peak_used_blocks = max(self.peak_used_blocks, len(self.blocks) - len(self.free_queue))
         return True
 
+    def append_blocks(self, tables: list[list[int]]) -> bool:
+        """One more block at the end of each of these tables (decodes whose new token
+        starts a block), in order. Returns False and changes nothing when the pool has too
+        few free blocks."""
+        if len(tables) > len(self.free_queue):
+            return False
+        take = self._take_free_block
+        for table in tables:
+            table.append(take())
+        self.peak_used_blocks = max(self.peak_used_blocks, len(self.blocks) - len(self.free_queue))
+        return True
+
     def _take_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]

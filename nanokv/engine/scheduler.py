@@ -38,6 +38,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._freed: list[int] = []  # seq ids freed since the last non-empty batch
+        self.decode_fast_path = True  # False: decode-only steps take the general loop too (tests)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -52,7 +53,11 @@ class Scheduler:
         batch = ScheduledBatch()
         preempted = False
 
-        i = 0
+        if self.decode_fast_path and self._schedule_decodes(batch, budget):
+            budget -= batch.num_tokens
+            i = len(self.running)
+        else:
+            i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -72,6 +77,35 @@ class Scheduler:
         if batch.seqs:  # an empty batch never reaches the runner: keep them for the next one
             batch.freed_seq_ids, self._freed = self._freed, []
         return batch
+
+    def _schedule_decodes(self, batch: ScheduledBatch, budget: int) -> bool:
+        """The common step, in one pass: every running sequence decodes one token, within
+        the budget, and the few whose new token starts a block get one each. The same
+        batch and block ids as the general loop; False (nothing changed) when it does not
+        apply: a prefill chunk among them, too small a budget, or too few free blocks."""
+        running = self.running
+        if not running or len(running) > budget:
+            return False
+        bm = self.block_manager
+        bs = bm.block_size
+        needy: list[list[int]] = []  # tables that need one more block
+        items = []
+        add = items.append
+        item = ScheduledSeq
+        for seq in running:
+            tokens, start, table = seq.token_ids, seq.num_computed_tokens, seq.block_table
+            if len(tokens) - start != 1:
+                return False
+            if start >= len(table) * bs:
+                needy.append(table)
+            num_prompt = seq.num_prompt_tokens
+            add(item(seq.seq_id, [tokens[start]], start, table, True, seq.params, seq.seed,
+                     start + 1 - num_prompt, tokens, num_prompt))
+        if needy and not bm.append_blocks(needy):
+            return False
+        batch.seqs = items
+        batch.num_tokens = len(items)
+        return True
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
         """First come, first served, except that a request whose next uncached prompt
@@ -132,19 +166,29 @@ class Scheduler:
         """Apply one step's results; returns the sequences that finished (blocks freed)."""
         by_id = {seq.seq_id: seq for seq in self.running}
         sampled = iter(output.sampled_token_ids)
-        logprobs = iter(output.logprobs or ())
+        logprobs = iter(output.logprobs) if output.logprobs is not None else None
+        bm = self.block_manager
+        # a block fills at most every block_size tokens: look at the prefix cache only then
+        cache_from = bm.block_size if bm.enable_prefix_caching else None
+        eos = self.eos_token_ids
         finished: list[Sequence] = []
         for item in batch.seqs:
             seq = by_id[item.seq_id]
-            seq.num_computed_tokens += len(item.token_ids)
-            self.block_manager.cache_full_blocks(seq)
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + len(item.token_ids)
+            if cache_from is not None and computed >= (seq.num_hashed_blocks + 1) * cache_from:
+                bm.cache_full_blocks(seq)
             if item.sample:
-                seq.token_ids.append(next(sampled))
-                lp = next(logprobs, None)
-                if lp is not None:
-                    seq.logprobs.append(lp)
-                    seq.cumulative_logprob += lp.logprob
-                if self._check_stop(seq):
+                token = next(sampled)
+                tokens = seq.token_ids
+                tokens.append(token)
+                if logprobs is not None:
+                    lp = next(logprobs, None)
+                    if lp is not None:
+                        seq.logprobs.append(lp)
+                        seq.cumulative_logprob += lp.logprob
+                # only these can end it: the cheap test first, the rules in _check_stop
+                if (len(tokens) - seq.num_prompt_tokens >= seq.max_tokens or token in seq.stop_token_ids
+                        or token in eos) and self._check_stop(seq):
                     finished.append(seq)
         if finished:
             for seq in finished:

@@ -16,7 +16,7 @@ class EngineDeadError(RuntimeError):
     request fails, not one. Raised by the runner; the engine then refuses further work."""
 
 
-@dataclass
+@dataclass(slots=True)  # one per sequence per step: slots build and read faster
 class ScheduledSeq:
     """One sequence's share of a step.
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -48,6 +49,8 @@ CANDIDATES = 64  # tokens sorted per row when top_k is off (SmolLM2 at T 0.8: 88
 _CHUNK_BYTES = 4 << 20  # CPU: rows of token weights per chunk
 _MASK = (1 << 64) - 1
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio increment: spreads (seed, step) pairs
+_SERIAL_ELEMENTS = 1 << 20  # greedy_tokens: up to this many logits on one thread (about 0.1 ms)
+_ARGMAX_BLOCK = 128  # greedy_tokens: the largest block (a power of two dividing the vocabulary)
 
 
 @dataclass
@@ -98,6 +101,53 @@ def seeded_uniform(key: int, draw: int) -> float:
     return ((x ^ (x >> 31)) >> 40) / (1 << 24)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1) of [N, V] logits ([N] int64), the same ids (ties: the lowest).
+    On the CPU torch's argmax does not vectorise (several times slower than amax), so the
+    row maxima come from block maxima (amax), and argmax runs only over the block maxima
+    and the one block per row that holds the maximum; up to _SERIAL_ELEMENTS logits on one
+    thread. Elsewhere, or for a vocabulary with no block size dividing it, or a row with a
+    NaN: argmax itself."""
+    n, vocab = logits.shape
+    block = _ARGMAX_BLOCK
+    while vocab % block:
+        block //= 2
+    if logits.device.type != "cpu" or block < 16 or n * vocab < (1 << 15) or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    if n * vocab <= _SERIAL_ELEMENTS:
+        with one_thread():
+            return _block_argmax(logits, block)
+    return _block_argmax(logits, block)
+
+
+def _block_argmax(logits: torch.Tensor, block: int) -> torch.Tensor:
+    n, vocab = logits.shape
+    blocks = logits.view(n, vocab // block, block)
+    block_max = blocks.amax(dim=2)  # [N, V / block]
+    row_max = block_max.amax(dim=1, keepdim=True)  # [N, 1]
+    if row_max.isnan().any():  # argmax takes a NaN as the maximum; == never matches one
+        return logits.argmax(dim=-1)
+    first = (block_max == row_max).to(torch.uint8).argmax(dim=1)  # [N] the first block holding it
+    within = blocks[torch.arange(n), first].argmax(dim=1)  # [N, block] -> [N]
+    return first * block + within
+
+
+@contextmanager
+def one_thread():
+    """torch's CPU ops on one thread inside the block. For work of tens of microseconds
+    (a greedy step over a small vocabulary): an OpenMP fork/join saves little on an idle
+    machine, and on a busy one waits milliseconds for a descheduled worker thread."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 class Sampler:
     """Samples one token per row. The logits are overwritten where min_tokens masks or
     penalties apply."""
@@ -122,7 +172,7 @@ class Sampler:
             logits[t.banned] = float("-inf")
         if t.penalty_ids is not None:
             apply_penalties(logits, t)
-        tokens = logits.argmax(dim=-1) if t.all_greedy else self._draw(logits, t, generator)
+        tokens = greedy_tokens(logits) if t.all_greedy else self._draw(logits, t, generator)
         out = SamplerOutput(tokens)
         if t.max_logprobs is not None:
             self._logprobs(logits, t, out)
@@ -163,7 +213,7 @@ class Sampler:
         dev = logits.device
         tokens = torch.empty(len(temps), dtype=torch.long, device=dev)
         greedy = torch.tensor([i for i, x in enumerate(temps) if x <= 0], dtype=torch.long, device=dev)
-        tokens[greedy] = logits[greedy].argmax(dim=-1)
+        tokens[greedy] = greedy_tokens(logits[greedy])
         rows = torch.tensor(sampled, dtype=torch.long, device=dev)
         settings = RowSettings.build(t, rows, logits.shape[1])
         tokens[rows] = sample_rows(logits, rows, settings, keys, generator, scratch, c)

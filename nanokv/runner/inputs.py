@@ -23,7 +23,8 @@ import struct
 from array import array
 from dataclasses import astuple, dataclass
 from functools import lru_cache
-from operator import itemgetter
+from itertools import chain
+from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 import torch
@@ -31,6 +32,8 @@ import torch
 from nanokv.attention import AttentionMetadata
 from nanokv.engine.types import ScheduledBatch
 
+_SEQ_ID, _BLOCK_TABLE, _START_POS, _TOKEN_IDS, _SAMPLE = (
+    attrgetter(f) for f in ("seq_id", "block_table", "start_pos", "token_ids", "sample"))
 _ALIGN = 16  # int32 words: every section starts on a 64-byte boundary (Triton specialises on alignment)
 _PREFILL_KEY = 1 << 40  # sort key offset: decodes (by context) before prefill chunks (by length)
 
@@ -179,46 +182,47 @@ class StepPacker:
         rows_state.release(batch.freed_seq_ids)
         seqs = batch.seqs
         row_of, held, full_width = rows_state.row_of, rows_state.held, rows_state.width
-        rows, starts, ids, write_index, write_values, width = [], [], [], [], [], 0
-        for s in seqs:  # O(sequences): only a row's new entries are copied
-            row = row_of.get(s.seq_id)
-            if row is None:
-                row = rows_state.assign(s.seq_id, seqs)
-            rows.append(row)
-            table = s.block_table
-            n, have = len(table), held[row]
-            if n != have:  # new blocks (or, should a table ever shrink, rewrite it)
-                assert n <= full_width, f"a block table of {n} blocks exceeds max_model_len ({full_width} blocks)"
-                have = have if n > have else 0
-                base = row * full_width
-                write_index += range(base + have, base + n)
-                write_values += table[have:n]
-                held[row] = n
-            if n > width:
-                width = n
-            starts.append(s.start_pos)
-            ids += s.token_ids
+        # O(sequences), each field read in one C-level pass; only a row's new entries are copied
+        rows = list(map(row_of.get, map(_SEQ_ID, seqs)))
+        if None in rows:  # sequences new to the table (admitted, or back from preemption)
+            rows = [rows_state.assign(s.seq_id, seqs) if row is None else row for s, row in zip(seqs, rows)]
+        tables = list(map(_BLOCK_TABLE, seqs))
+        lens = list(map(len, tables))
+        write_index, write_values = [], []
+        have_lens = list(map(held.__getitem__, rows))
+        if lens != have_lens:
+            for row, table, n, have in zip(rows, tables, lens, have_lens):
+                if n != have:  # new blocks (or, should a table ever shrink, rewrite it)
+                    assert n <= full_width, f"a block table of {n} blocks exceeds max_model_len ({full_width} blocks)"
+                    have = have if n > have else 0
+                    base = row * full_width
+                    write_index += range(base + have, base + n)
+                    write_values += table[have:n]
+                    held[row] = n
+        width = max(lens, default=0)
+        starts = list(map(_START_POS, seqs))
+        ids = list(chain.from_iterable(map(_TOKEN_IDS, seqs)))
         if write_index:
             rows_state.table.view(-1).index_copy_(0, _tensor(write_index), _tensor(write_values, torch.int32))
         writes = (write_index, write_values)
         if len(ids) == len(seqs) and self.decode_fast_path:
-            return self._pack_decodes(seqs, rows, starts, ids, writes, width)
+            return self._pack_decodes(seqs, rows, starts, ids, writes, width, tables)
         return self._pack_general(seqs, rows, starts, ids, writes, width)
 
-    def _pack_decodes(self, seqs, rows, starts, ids, writes, width) -> PackedStep:
+    def _pack_decodes(self, seqs, rows, starts, ids, writes, width, tables) -> PackedStep:
         """One query token per sequence: plain lists in step order, written into the
         buffer by one struct call (cheaper than any tensor op at these sizes)."""
         bs, num_seqs = self.block_size, len(seqs)
         order = sorted(range(num_seqs), key=starts.__getitem__)  # stable: shortest context first
         pick = itemgetter(*order) if num_seqs > 1 else (lambda xs: (xs[order[0]],))
         positions = pick(starts)
-        slots = pick([s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, starts)])
+        slots = pick([table[p // bs] * bs + p % bs for table, p in zip(tables, starts)])
         rank = [0] * num_seqs
         for k, i in enumerate(order):
             rank[i] = k
-        samples = [s.sample for s in seqs]
+        samples = list(map(_SAMPLE, seqs))
         logits_rows = rank if all(samples) else [k for k, keep in zip(rank, samples) if keep]
-        seq_lens = [p + 1 for p in positions]
+        seq_lens = list(map((1).__add__, positions))
         sizes = StepSizes(num_seqs, num_seqs, num_seqs, len(logits_rows), len(writes[0]), width, 1, max(seq_lens))
         sections = (pick(ids), positions, slots, logits_rows, writes[0],
                     range(num_seqs + 1), seq_lens, pick(rows), writes[1])

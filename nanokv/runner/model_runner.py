@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from operator import attrgetter
 
 import torch
 
@@ -19,9 +20,12 @@ from nanokv.models import get_model_class
 from nanokv.runner.cuda_graph import DecodeGraphs
 from nanokv.runner.inputs import PackedStep, StepInputs, StepPacker, unpack_step
 from nanokv.runner.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
-from nanokv.sampling_params import SamplingParams
+from nanokv.sampling_params import SAMPLING_EPS, SamplingParams
 
 logger = logging.getLogger("nanokv")
+
+_TEMPERATURE, _MIN_TOKENS, _LOGPROBS = (attrgetter(f) for f in ("temperature", "min_tokens", "logprobs"))
+_REPETITION, _PRESENCE, _FREQUENCY = (attrgetter(f + "_penalty") for f in ("repetition", "presence", "frequency"))
 
 
 class ModelRunner:
@@ -190,8 +194,12 @@ class ModelRunner:
         def column(values, dtype=torch.float32):
             return torch.tensor(values, dtype=dtype, device=dev)
 
-        t = SamplingTensors(column([0.0 if p.greedy else p.temperature for p in params]),
-                            all_greedy=all(p.greedy for p in params))
+        # Each option is looked for with one C-level pass over the rows (map, count, max):
+        # at hundreds of rows a Python loop per option costs more than the greedy draw.
+        temps = list(map(_TEMPERATURE, params))
+        all_greedy = max(temps, default=0) < SAMPLING_EPS
+        t = SamplingTensors(torch.zeros(len(rows), device=dev) if all_greedy else
+                            column([0.0 if x < SAMPLING_EPS else x for x in temps]), all_greedy=all_greedy)
         if not t.all_greedy:
             if any(p.top_k > 0 for p in params):
                 t.top_k = column([p.top_k if p.top_k > 0 else vocab for p in params], torch.long)
@@ -202,17 +210,21 @@ class ModelRunner:
             seeded = [(i, seed_for_token(s.seed, s.num_generated)) for i, s in enumerate(rows)
                       if s.seed is not None and not s.params.greedy]
             t.seeded = seeded or None
-        if any(p.has_penalties for p in params):
+        n = len(params)
+        if (list(map(_REPETITION, params)).count(1) != n or list(map(_PRESENCE, params)).count(0) != n
+                or list(map(_FREQUENCY, params)).count(0) != n):  # some row has_penalties
             self._penalty_tensors(t, rows)
         banned_rows, banned_ids = [], []
-        for i, s in enumerate(rows):
-            if s.num_generated < s.params.min_tokens:
-                stop_ids = s.params.stop_token_ids + ([] if s.params.ignore_eos else self.eos_token_ids)
-                banned_rows += [i] * len(stop_ids)
-                banned_ids += stop_ids
+        if max(map(_MIN_TOKENS, params), default=0) > 0:
+            for i, s in enumerate(rows):
+                if s.num_generated < s.params.min_tokens:
+                    stop_ids = s.params.stop_token_ids + ([] if s.params.ignore_eos else self.eos_token_ids)
+                    banned_rows += [i] * len(stop_ids)
+                    banned_ids += stop_ids
         if banned_rows:
             t.banned = (column(banned_rows, torch.long), column(banned_ids, torch.long))
-        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+        logprobs = list(map(_LOGPROBS, params))
+        asked = [] if logprobs.count(None) == n else [i for i, k in enumerate(logprobs) if k is not None]
         if asked:
             t.max_logprobs = max(params[i].logprobs for i in asked)
             t.logprob_rows = None if len(asked) == len(rows) else column(asked, torch.long)

@@ -106,3 +106,46 @@ def test_random_workloads_keep_invariants_and_outputs(w):
         if seq.finish_reason != "abort":
             assert seq.finish_reason == "length"
             assert seq.output_token_ids == reference_generate(r["prompt"], seq.max_tokens)
+
+
+def _step_view(batch):
+    return ([(s.token_ids, s.start_pos, list(s.block_table), s.sample, s.num_generated, s.num_prompt_tokens,
+              s.seed, list(s.all_token_ids)) for s in batch.seqs], batch.num_tokens, len(batch.freed_seq_ids))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.lists(st.integers(0, 96), max_size=3), st.lists(st.integers(0, 96), max_size=2),
+       st.integers(0, 3))
+def test_decode_fast_path_schedules_exactly_like_the_general_loop(w, eos, stop_ids, min_tokens):
+    """The pure-decode step (every running sequence one token) gives the same batches,
+    block ids, finishes and outputs as the general loop, through preemption, aborts,
+    prefix hits, EOS, stop token ids and min_tokens."""
+    runs = []
+    for fast in (True, False):
+        bm = BlockManager(w["num_blocks"], w["block_size"], w["prefix_caching"])
+        sched = Scheduler(SchedulerConfig(w["max_num_seqs"], w["budget"]), bm, eos)
+        sched.decode_fast_path = fast
+        runner = FakeRunner(w["num_blocks"], w["block_size"])
+        seqs = []
+        for i, r in enumerate(w["requests"]):
+            max_tokens = min(r["max_tokens"], w["max_model_len"] - len(r["prompt"]))
+            params = SamplingParams(temperature=0, max_tokens=r["max_tokens"], stop_token_ids=stop_ids,
+                                    min_tokens=min(min_tokens, r["max_tokens"]), ignore_eos=i % 3 == 0, seed=i)
+            seqs.append(Sequence(str(i), r["prompt"], params, max_tokens))
+        steps, step = [], 0
+        while step <= 12 or sched.has_unfinished():
+            for seq, r in zip(seqs, w["requests"]):
+                if r["arrival"] == step:
+                    sched.add(seq)
+                if r["abort_at"] == step and r["arrival"] <= step:
+                    sched.abort(seq)
+            batch = sched.schedule()
+            view = _step_view(batch)
+            finished = sched.update(batch, runner.execute(batch))
+            check_invariants(sched, runner)
+            steps.append((view, [seqs.index(s) for s in finished], sched.num_preemptions,
+                          bm.peak_used_blocks, list(bm.free_queue)))
+            step += 1
+            assert step < 5000
+        runs.append((steps, [(s.token_ids, s.finish_reason, s.stop_reason) for s in seqs]))
+    assert runs[0] == runs[1]
