@@ -68,10 +68,10 @@ class EngineArgs:
     quantization: str | None = _arg(None, "'int8': int8 weights with per-output-channel scales computed at load "
                                     "from any checkpoint, activations quantized per 32 values in each GEMM (the "
                                     "CPU kernels); None: the weights in dtype")
-    kv_cache_dtype: str = _arg("auto", "KV cache storage: 'auto' (the model's dtype), 'int8' (symmetric int8, one "
-                               "float32 scale per token and KV head, max |x| / 127, set when the token is written; "
-                               "~3.8x the tokens of float32 at head_dim 64) or 'fp8' (e4m3 with the same scales; "
-                               "CUDA, Triton backend only)")
+    kv_cache_dtype: str = _arg("auto", "KV cache storage: 'auto' (the model's dtype), 'int8' (asymmetric int8 per "
+                               "token and KV head: q * scale + zero, scale and zero float16, set when the token "
+                               "is written; 3.76x the tokens of float32 at head_dim 64) or 'fp8' (e4m3, the same "
+                               "scales; CUDA with the triton backend only)")
     quantize_lm_head: bool = _arg(False, "with quantization='int8', the LM head in int8 too (a tied embedding "
                                   "keeps its float32 rows for the lookup; the head's int8 copy is extra)")
 
@@ -238,8 +238,8 @@ class EngineConfig:
     # or "int8" (quantization); see _resolve_weights
     weight_format: str | None = None
     lm_head_format: str | None = None
-    # "auto" (K/V stored in dtype), "int8" or "fp8": quantized pages with one float32 scale
-    # per (token, KV head) in a parallel tensor (runner/kv_cache.py)
+    # "auto" (K/V stored in dtype), "int8" or "fp8": quantized pages with a float16 (scale,
+    # zero) per (token, KV head) in a parallel tensor (runner/kv_cache.py)
     kv_cache_dtype: str = "auto"
 
 

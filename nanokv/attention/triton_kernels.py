@@ -81,13 +81,18 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v
 @triton.jit
 def _quantize_rows(x_ptr, c_ptr, s_ptr, t, h, block, off, stride_t, stride_h, stride_cb, stride_co, stride_ch,
                    stride_sb, stride_so, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, QMAX: tl.constexpr):
-    """Rows t (int64 [BLOCK_T]) of head h -> their slots (block, off; block -1: skipped)."""
+    """Rows t (int64 [BLOCK_T]) of head h -> their slots (block, off; block -1: skipped), as
+    attention/base.py's quantize_kv: x ~ q * scale + zero, (scale, zero) float16 at s_ptr."""
     d = tl.arange(0, D_PAD)
     ok = block >= 0
     mask = ok[:, None] & (d < HEAD_DIM)[None, :]
     x = tl.load(x_ptr + t[:, None] * stride_t + h * stride_h + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    sc = tl.max(tl.abs(x), 1) / QMAX  # [BLOCK_T]
-    y = x / tl.where(sc > 0, sc, 1.0)[:, None]
+    hi = tl.max(tl.where(mask, x, float("-inf")), 1)
+    lo = tl.min(tl.where(mask, x, float("inf")), 1)
+    zero = tl.where(ok, (hi + lo) * 0.5, 0.0).to(tl.float16).to(tl.float32)  # [BLOCK_T]
+    centred = x - zero[:, None]
+    sc = (tl.max(tl.where(mask, tl.abs(centred), 0.0), 1) / QMAX).to(tl.float16).to(tl.float32)
+    y = centred / tl.where(sc > 0, sc, 1.0)[:, None]
     if c_ptr.dtype.element_ty == tl.int8:
         # round half to even, as torch.round: r = floor(y + 0.5), one less on the exact halves of odd r
         r = tl.floor(y + 0.5)
@@ -95,7 +100,9 @@ def _quantize_rows(x_ptr, c_ptr, s_ptr, t, h, block, off, stride_t, stride_h, st
         y = tl.minimum(tl.maximum(r, -127.0), 127.0)
     tl.store(c_ptr + (block * stride_cb + off * stride_co)[:, None] + h * stride_ch + d[None, :],
              y.to(c_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + block * stride_sb + off * stride_so + h, sc, mask=ok)
+    params = s_ptr + block * stride_sb + off * stride_so + h * 2  # [Hkv, 2] (scale, zero) per slot
+    tl.store(params, sc.to(tl.float16), mask=ok)
+    tl.store(params + 1, zero.to(tl.float16), mask=ok)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -122,13 +129,14 @@ def _quantize_and_cache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_p
 def quantize_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        k_scales: torch.Tensor, v_scales: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store k/v [T, Hkv, D] quantized (int8 or float8 e4m3 caches [num_blocks, block_size,
-    Hkv, D]) with their per-(token, head) scales into k/v_scales [num_blocks, block_size, Hkv]
-    at slot_mapping [T]; a slot of -1 is skipped."""
+    Hkv, D]) with their per-(token, head) (scale, zero) into k/v_scales [num_blocks,
+    block_size, Hkv, 2] float16 at slot_mapping [T]; a slot of -1 is skipped."""
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
-    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and k_scales.stride(-1) == v_scales.stride(-1) == 1
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert k_scales.stride()[2:] == v_scales.stride()[2:] == (2, 1) and k_scales.dtype == torch.float16
     d_pad = triton.next_power_of_2(head_dim)
     block_t = max(1, 2048 // d_pad)
     _quantize_and_cache_kernel[(triton.cdiv(num_tokens, block_t), num_heads)](
@@ -191,6 +199,8 @@ def _paged_attention_kernel(
     kv_lo = split * chunk
     kv_hi = tl.minimum(kv_end, kv_lo + chunk)
 
+    if QUANTIZED:
+        q_sum = tl.sum(q.to(tl.float32), 1)  # [BLOCK_M], for the keys' zeros
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -208,11 +218,17 @@ def _paged_attention_kernel(
                     mask=j_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
 
         if QUANTIZED:  # int8 / e4m3 pages, widened in registers; the scales fold into s and p
-            k_sc = tl.load(k_scale_ptr + block * stride_ksb + off * stride_kso + kv_head, mask=j_ok, other=0.0)
-            v_sc = tl.load(v_scale_ptr + block * stride_vsb + off * stride_vso + kv_head, mask=j_ok, other=0.0)
+            # a key is k_q * scale + zero: q . k = scale (q . k_q) + zero sum(q); values the same
+            k_par = k_scale_ptr + block * stride_ksb + off * stride_kso + kv_head * 2  # [BLOCK_N]
+            v_par = v_scale_ptr + block * stride_vsb + off * stride_vso + kv_head * 2
+            k_sc = tl.load(k_par, mask=j_ok, other=0.0).to(tl.float32)
+            k_z = tl.load(k_par + 1, mask=j_ok, other=0.0).to(tl.float32)
+            v_sc = tl.load(v_par, mask=j_ok, other=0.0).to(tl.float32)
+            v_z = tl.load(v_par + 1, mask=j_ok, other=0.0).to(tl.float32)
             k_t = k_t.to(q.dtype)
             v = v.to(q.dtype)
-            s = tl.dot(q, k_t, input_precision=PRECISION) * (k_sc * scale_log2)[None, :]  # [BLOCK_M, BLOCK_N]
+            s = (tl.dot(q, k_t, input_precision=PRECISION) * k_sc[None, :]
+                 + q_sum[:, None] * k_z[None, :]) * scale_log2  # [BLOCK_M, BLOCK_N]
         else:
             s = tl.dot(q, k_t, input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         s = tl.where(j_ok[None, :] & (j[None, :] <= pos[:, None]), s, float("-inf"))
@@ -223,8 +239,10 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if QUANTIZED:
-            p = p * v_sc[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            acc = (acc * alpha[:, None] + tl.dot((p * v_sc[None, :]).to(v.dtype), v, input_precision=PRECISION)
+                   + tl.sum(p * v_z[None, :], 1)[:, None])
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     out_mask = row_ok[:, None] & d_ok[None, :]
@@ -305,7 +323,8 @@ def warm_up(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dty
     group = num_q_heads // num_kv_heads
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     cache = torch.zeros(2, 1, block_size, num_kv_heads, head_dim, dtype=kv_dtype, device=device)
-    scales = torch.zeros(2, 1, block_size, num_kv_heads, device=device) if kv_dtype in QMAX else None
+    scales = (torch.zeros(2, 1, block_size, num_kv_heads, 2, dtype=torch.float16, device=device)
+              if kv_dtype in QMAX else None)
     ks, vs = (None, None) if scales is None else (scales[0], scales[1])
     tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
     elem = torch.empty(0, dtype=dtype).element_size()  # tile_shape sizes tiles by q's element
@@ -337,7 +356,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     holding this step's K/V). query_start_loc [B + 1] int32, seq_lens [B] int32 (context
     after this step), block_tables [B, max_blocks] int32. num_splits None: choose_num_splits
     decides; 1 forces the single pass, > 1 split-KV. Quantized caches (int8, float8 e4m3)
-    come with their scales [num_blocks, block_size, Hkv] float32 (quantize_and_cache)."""
+    come with their (scale, zero) pairs [num_blocks, block_size, Hkv, 2] float16
+    (quantize_and_cache)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_seqs = k_cache.shape[2], seq_lens.shape[0]
     if num_tokens == 0:
@@ -359,7 +379,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     quantized = k_scales is not None
     assert quantized == (k_cache.dtype in QMAX)
     if quantized:
-        assert k_scales.stride(-1) == 1 and v_scales.stride(-1) == 1
+        assert k_scales.stride()[2:] == v_scales.stride()[2:] == (2, 1)
         ks, vs, scale_strides = k_scales, v_scales, (*k_scales.stride()[:2], *v_scales.stride()[:2])
     else:
         ks = vs = out  # unused

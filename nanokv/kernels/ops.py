@@ -221,7 +221,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q [T, Hq, D]: query t attends to the first ctx_lens[t] tokens of the sequence in row
     rows[t] of block_tables (int32 [B, width]) in the paged caches [num_blocks, block_size,
     Hkv, D] -> out [T, Hq, D]. rows and ctx_lens are int32 [T]; all contiguous, float32, or
-    int8 caches with their scales [num_blocks, block_size, Hkv] float32 (read in place)."""
+    int8 caches with their (scale, zero) pairs [num_blocks, block_size, Hkv, 2] float16 (read
+    in place)."""
     t, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     _check_kv(k_cache, v_cache, k_scales, v_scales)
@@ -235,7 +236,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              v_scales: torch.Tensor | None = None) -> None:
     """k, v [T, Hkv, D] float32 (rows may be strided, heads contiguous) into slots
     slot_mapping (int64 [T]) of the caches [num_blocks, block_size, Hkv, D]: copied, or with
-    scales given quantized to int8 per (token, head) as attention/base.py's quantize_kv does."""
+    scales ([num_blocks, block_size, Hkv, 2] float16) given quantized to int8 per (token,
+    head) as attention/base.py's quantize_kv does."""
     t, hkv, d = k.shape
     _check_kv(k_cache, v_cache, k_scales, v_scales)
     assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == d and slot_mapping.is_contiguous()
@@ -247,8 +249,8 @@ def _check_kv(k_cache, v_cache, k_scales, v_scales) -> None:
     quantized = k_scales is not None
     assert k_cache.dtype == v_cache.dtype == (torch.int8 if quantized else torch.float32)
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert not quantized or (k_scales.dtype == v_scales.dtype == torch.float32 and k_scales.is_contiguous()
-                             and v_scales.is_contiguous() and k_scales.shape == k_cache.shape[:3])
+    assert not quantized or (k_scales.dtype == v_scales.dtype == torch.float16 and k_scales.is_contiguous()
+                             and v_scales.is_contiguous() and k_scales.shape == (*k_cache.shape[:3], 2))
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,

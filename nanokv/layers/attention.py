@@ -15,7 +15,7 @@ class Attention(nn.Module):
         # Set by the model runner once the pool is sized: [num_blocks, block_size, Hkv, D] each.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        # a quantized cache's scales, [num_blocks, block_size, Hkv] float32 each; None otherwise
+        # a quantized cache's (scale, zero) pairs, [num_blocks, block_size, Hkv, 2] float16 each; None otherwise
         self.k_scales: torch.Tensor | None = None
         self.v_scales: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None

@@ -69,7 +69,7 @@ class ModelRunner:
         self.kv_bytes_per_token = bytes_per_token(config, *self.kv_shape)  # this rank's shard, scales included
         self.num_blocks = 0
         self.kv_cache: torch.Tensor | None = None  # [layers, 2, blocks, block_size, Hkv, D] pages
-        self.kv_scales: torch.Tensor | None = None  # [layers, 2, blocks, block_size, Hkv] (quantized caches)
+        self.kv_scales: torch.Tensor | None = None  # [layers, 2, blocks, block_size, Hkv, 2] (scale, zero)
         self.graphs = None
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
