@@ -1,7 +1,10 @@
 """Triton kernels for paged attention over the cache layout [num_blocks, block_size, Hkv, D].
 
-reshape_and_cache writes the step's new K/V into their slots. paged_attention then attends
-over the paged cache for a flat varlen batch (decodes and prefill chunks together):
+reshape_and_cache writes the step's new K/V into their slots (quantize_and_cache for an
+int8 or float8 e4m3 cache: per (token, head) a float16 (scale, zero), x ~ q * scale + zero).
+paged_attention then attends over the paged cache for a flat varlen batch (decodes and
+prefill chunks together); quantized pages are widened in registers, scale folded into the
+scores and probabilities, zero in as zero * sum(q) and sum(p * zero):
 
 - One program owns (query tile, kv head[, kv split]). A query tile is BLOCK_Q consecutive
   query tokens of one sequence times the GROUP query heads sharing the kv head, packed

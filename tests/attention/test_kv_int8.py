@@ -157,6 +157,8 @@ C_CASES = {
     "tiles-gqa2-d64-bs7": ([(3, 1), (40, 1), (0, 37), (21, 19), (9, 5)], (4, 2), 64, 7),
     # MQA decodes and a prefill, head_dim 24 (a half vector at width 16)
     "mqa-d24-bs3": ([(17, 1), (2, 1), (5, 9), (0, 20)], (6, 1), 24, 3),
+    # two long decodes: one work item per (query, KV head), so heads h0 > 0 start an item
+    "two-decodes-gqa2-d64-bs5": ([(50, 1), (33, 1)], (4, 2), 64, 5),
 }
 
 
@@ -206,9 +208,10 @@ def test_kv_cache_dtype_flows_to_the_cli_flags():
     from nanokv.entrypoints.cli.arguments import build_parser, engine_args_from_cli
     from nanokv.entrypoints.cli.common import Rank
 
-    gen = build_parser()._subparsers._group_actions[0].choices["generate"]
-    args = gen.parse_args(["--input", "i", "--output", "o", "--kv-cache-dtype", "int8"])
+    commands = build_parser()._subparsers._group_actions[0].choices
+    args = commands["generate"].parse_args(["--input", "i", "--output", "o", "--kv-cache-dtype", "int8"])
     assert engine_args_from_cli(args, Rank()).kv_cache_dtype == "int8"
+    assert commands["serve"].parse_args(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
 
 
 def test_pool_holds_the_tokens_the_byte_formula_gives(checkpoint):
