@@ -43,6 +43,10 @@ WORKLOADS = {
     # model's chat template (their lengths come from the text), SAMPLING, one seed per request
     "chat": dict(num_requests=64, output=(16, 160), chat=True),
     "chat-tiny": dict(num_requests=8, output=(4, 16), chat=True),
+    # decode-heavy long contexts, where each step's KV read dominates: few long prompts, long
+    # outputs, all wanted at once, in a fixed KV budget (kv_cache_memory_bytes, 2 GiB: SmolLM2's
+    # float32 pool holds ~46k tokens of the ~85k the 32 sequences need, int8 ~175k: all of them)
+    "long": dict(num_requests=32, prompt=(1500, 3000), output=(256, 384), kv_cache_memory_bytes=2 << 30),
 }
 SAMPLING = dict(temperature=0.8, top_p=0.95)  # the chat workloads' sampling
 
@@ -204,13 +208,15 @@ def run_nanokv(model_dir: str, reqs: list[Request], device: torch.device, args, 
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert tokens == sum(r.max_tokens for r in reqs)
     kv = llm.kv_stats()
-    pool_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
+    pool_bytes = sum(t.numel() * t.element_size() for t in (runner.kv_cache, runner.kv_scales) if t is not None)
     block_bytes = pool_bytes / runner.kv_cache.shape[2]  # [layers, 2, blocks, ...]
     # the pool is allocated up front: its whole size is in the peak, what sequences used is not
     extra = dict(kv=asdict(kv), kv_summary=kv.summary(), steps=runner.num_steps,
                  forward_seconds=runner.forward_seconds, backend=llm.llm_engine.config.attention_backend,
-                 kv_pool_gib=round(pool_bytes / 2**30, 4),
-                 kv_used_peak_gib=round(kv.peak_used_blocks * block_bytes / 2**30, 4))
+                 kv_cache_dtype=llm.llm_engine.config.kv_cache_dtype, kv_pool_gib=round(pool_bytes / 2**30, 4),
+                 kv_used_peak_gib=round(kv.peak_used_blocks * block_bytes / 2**30, 4),
+                 kv_capacity_tokens=kv.capacity_tokens, kv_bytes_per_token=kv.bytes_per_token,
+                 peak_running_seqs=kv.peak_running_seqs)
     res = Result("nanokv", tokens, seconds, peak_gib(device), extra=extra)
     del llm, outs
     return res
@@ -329,9 +335,11 @@ QUANTIZATIONS = {"none": {}, "int8": dict(quantization="int8"),
 
 
 def nanokv_variants(args) -> list[Variant]:
-    """--dtype x --quantization x --cpu-width, in that order (the first one is the baseline
-    named "nanokv" when it is float32 at the native width); int8 keeps float32 activations, so
-    it pairs with float32 only."""
+    """--dtype x --quantization x --kv-cache-dtype x --cpu-width, in that order (the first one
+    is the baseline named "nanokv" when it is float32 with the auto KV cache at the native
+    width); int8 keeps float32 activations, so it pairs with float32 only."""
+    from nanokv.config import KV_CACHE_DTYPES
+
     out = []
     for dtype in args.dtype.split(","):
         for quant in args.quantization.split(","):
@@ -339,14 +347,19 @@ def nanokv_variants(args) -> list[Variant]:
                 raise ValueError(f"--quantization takes {', '.join(QUANTIZATIONS)}; got {quant!r}")
             if quant != "none" and dtype != "float32":
                 continue
-            for width in args.cpu_width.split(","):
-                if width not in ("native", "8", "16"):
-                    raise ValueError(f"--cpu-width takes native, 8 or 16; got {width!r}")
-                width = None if width == "native" else int(width)
-                name = quant if quant != "none" else {"float32": "", "bfloat16": "bf16"}.get(dtype, dtype)
-                label = " ".join(filter(None, ["nanokv", name, f"width {width}" if width else ""]))
-                kwargs = dict(QUANTIZATIONS[quant], **({} if dtype == "float32" else dict(dtype=dtype)))
-                out.append(Variant(label, tuple(kwargs.items()), width))
+            for kv in getattr(args, "kv_cache_dtype", "auto").split(","):
+                if kv not in KV_CACHE_DTYPES:
+                    raise ValueError(f"--kv-cache-dtype takes {', '.join(KV_CACHE_DTYPES)}; got {kv!r}")
+                for width in args.cpu_width.split(","):
+                    if width not in ("native", "8", "16"):
+                        raise ValueError(f"--cpu-width takes native, 8 or 16; got {width!r}")
+                    width = None if width == "native" else int(width)
+                    name = quant if quant != "none" else {"float32": "", "bfloat16": "bf16"}.get(dtype, dtype)
+                    label = " ".join(filter(None, ["nanokv", name, f"kv {kv}" if kv != "auto" else "",
+                                                   f"width {width}" if width else ""]))
+                    kwargs = dict(QUANTIZATIONS[quant], **({} if dtype == "float32" else dict(dtype=dtype)),
+                                  **({} if kv == "auto" else dict(kv_cache_dtype=kv)))
+                    out.append(Variant(label, tuple(kwargs.items()), width))
     if not out:
         raise ValueError("no nanokv variant: int8 quantization pairs with --dtype float32")
     return out
@@ -535,9 +548,11 @@ def run_cpu_peers(engines: set, model_dir: str, reqs: list[Request], args, sizes
 
 
 def run_accuracy(model_dir: str, variants: list[Variant], args) -> dict:
-    """--accuracy: every variant against float32 weights (nanokv/testing/accuracy.py):
-    perplexity, mean KL and top-1 agreement on the license texts, greedy agreement on 32
-    chat prompts; and each variant's load time and memory, in a fresh process each."""
+    """--accuracy: every weight variant against float32 weights, and every KV-cache variant
+    against the same weights with the full-precision (auto) KV cache
+    (nanokv/testing/accuracy.py): perplexity, mean KL and top-1 agreement on the license
+    texts, greedy agreement on 32 chat prompts; and each variant's load time and memory, in
+    a fresh process each."""
     from nanokv.testing import accuracy
 
     reference = accuracy.scoring_engine(model_dir)
@@ -546,12 +561,18 @@ def run_accuracy(model_dir: str, variants: list[Variant], args) -> dict:
     for v in variants:
         if v.width is not None:
             continue  # widths change no weight: the float32 GEMMs are bit-identical (tests)
-        row = dict(variant=v.label, engine_kwargs=dict(v.engine_kwargs), load=measure_load(model_dir, v))
-        if v.engine_kwargs:
-            candidate = accuracy.scoring_engine(model_dir, **dict(v.engine_kwargs))
-            row["perplexity"] = asdict(accuracy.compare_perplexity(reference, candidate, windows))
-            row["greedy"] = asdict(accuracy.compare_greedy(reference, candidate))
-            del candidate
+        kwargs = dict(v.engine_kwargs)
+        row = dict(variant=v.label, engine_kwargs=kwargs, load=measure_load(model_dir, v))
+        if kwargs:
+            weights = {k: x for k, x in kwargs.items() if k != "kv_cache_dtype"}
+            ref = reference
+            if "kv_cache_dtype" in kwargs:  # the same weights, full-precision KV
+                ref = accuracy.scoring_engine(model_dir, **weights) if weights else reference
+                row["reference"] = "the same weights, kv_cache_dtype auto"
+            candidate = accuracy.scoring_engine(model_dir, **kwargs)
+            row["perplexity"] = asdict(accuracy.compare_perplexity(ref, candidate, windows))
+            row["greedy"] = asdict(accuracy.compare_greedy(ref, candidate))
+            del candidate, ref
         rows.append(row)
     return dict(model=args.label, corpus=f"{accuracy.CORPUS_DIR}: {', '.join(accuracy.CORPUS_FILES)}",
                 window=accuracy.WINDOW, threads=torch.get_num_threads(), variants=rows)
@@ -590,23 +611,35 @@ def measure_load(model_dir: str, variant: Variant) -> dict:
 
 
 def print_accuracy(report: dict) -> None:
-    print(f"accuracy against float32 weights: {report['model']}, {report['threads']} threads; text: "
+    print(f"accuracy against float32 weights (KV-cache variants: against their weights with the auto KV cache): "
+          f"{report['model']}, {report['threads']} threads; text: "
           f"{report['corpus']} (windows of {report['window']} tokens)\n")
     print("| variant | tokens | PPL | dPPL | mean KL | top-1 agree | greedy identical | greedy prefix | "
-          "load s | RSS GiB | peak RSS GiB | weights GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "greedy diverged (near-ties) | load s | RSS GiB | peak RSS GiB | weights GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in report["variants"]:
         ppl, greedy, load = row.get("perplexity"), row.get("greedy"), row["load"]
         cells = [row["variant"]]
         if ppl:
             cells += [f"{ppl['tokens']:,}", f"{ppl['ppl']:.3f} (ref {ppl['ppl_reference']:.3f})",
                       f"{ppl['dppl_percent']:+.3f}%", f"{ppl['mean_kl']:.5f}", f"{100 * ppl['top1_agreement']:.1f}%",
-                      f"{greedy['identical']}/{greedy['prompts']}", f"{100 * greedy['prefix_fraction']:.1f}%"]
+                      f"{greedy['identical']}/{greedy['prompts']}", f"{100 * greedy['prefix_fraction']:.1f}%",
+                      f"{greedy['prompts'] - greedy['identical']} ({greedy['near_ties']})"]
         else:
-            cells += ["-", "reference", "-", "-", "-", "-", "-"]
+            cells += ["-", "reference", "-", "-", "-", "-", "-", "-"]
         cells += ([f"{load['load_seconds']:.1f}", f"{load['rss_gib']:.2f}", f"{load['peak_rss_gib']:.2f}",
                    f"{load['weights_gib']:.3f}"] if "error" not in load else [load["error"], "-", "-", "-"])
         print("| " + " | ".join(cells) + " |")
+    for row in report["variants"]:
+        for n, i, margin in (row.get("greedy") or {}).get("first_divergences", ()):
+            print(f"{row['variant']}: prompt {n} first differs at token {i}; the reference's margin there "
+                  f"{margin:.3f} nats" + (" (near-tie)" if margin < accuracy_near_tie() else ""))
+
+
+def accuracy_near_tie() -> float:
+    from nanokv.testing.accuracy import NEAR_TIE_NATS
+
+    return NEAR_TIE_NATS
 
 
 # ---- roofline ---------------------------------------------------------------------------
@@ -953,6 +986,10 @@ def run_workload(name: str, spec: dict, model_dir: str, hf_model, tokenizer, dim
     results: list[Result] = []
     nano = hf = None
     variants = nanokv_variants(args) if "nanokv" in engines else []
+    kv_budget = args.kv_cache_memory_bytes or spec.get("kv_cache_memory_bytes")
+    if kv_budget:  # one byte budget for every variant: their pools' token capacities compare
+        variants = [Variant(v.label, v.engine_kwargs + (("kv_cache_memory_bytes", kv_budget),), v.width)
+                    for v in variants]
     others: dict[Variant, Result] = {}  # the variants after the first
     if variants:
         nano = run_variant(variants[0], model_dir, reqs, device, args, sampling)
@@ -996,7 +1033,8 @@ def run_workload(name: str, spec: dict, model_dir: str, hf_model, tokenizer, dim
     report = dict(workload=name, num_requests=len(reqs), prompt_lens=prompt_lens,
                   output_lens=list(spec["output"]), sampling=sampling or "greedy", model=args.label,
                   device=torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads",
-                  dtype=str(dtype).replace("torch.", ""), torch=torch.__version__, results=[])
+                  dtype=str(dtype).replace("torch.", ""), torch=torch.__version__, kv_cache_memory_bytes=kv_budget,
+                  results=[])
     for r in results:
         row = dict(engine=r.engine, output_tokens=r.output_tokens, seconds=round(r.seconds, 2),
                    tok_per_s=round(r.tok_per_s, 1) if r.output_tokens else None,
@@ -1031,6 +1069,14 @@ def print_report(report: dict) -> None:
                                 "memory (VmHWM)") + " during the run. nanokv allocates its KV pool up front "
           "(gpu_memory_utilization or kv_cache_memory_bytes), so its peak holds the whole pool, used or not; "
           "HF's cache grows with its batch and is inside its peak.")
+    budget = report.get("kv_cache_memory_bytes")
+    for row in report["results"]:
+        if "kv_capacity_tokens" in row:
+            print(f"\n{row['engine']}: KV {row['kv_cache_dtype']}, {row['kv_bytes_per_token']:,} bytes per token: "
+                  f"the pool holds {row['kv_capacity_tokens']:,} tokens"
+                  + (f" in {budget / 2**30:.3g} GiB" if budget else "")
+                  + f"; peak {row['peak_running_seqs']} concurrent sequences, "
+                  f"{row['kv']['num_preemptions']} preemptions")
     nano = next((row for row in report["results"] if row["engine"] == "nanokv"), None)
     if nano is not None:
         rf = report["roofline"]
@@ -1106,6 +1152,13 @@ def main() -> None:
                         "bfloat16 weights, float32 activations)")
     p.add_argument("--quantization", default="none",
                    help="comma-separated: none, int8 (quantization='int8'), int8+head (the LM head too)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="comma-separated KV cache formats, a nanokv row each: auto (the model's dtype), int8, "
+                        "fp8 (CUDA); with --accuracy each quantized one is measured against its own weights "
+                        "with the auto KV cache")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="nanokv's KV pool budget in bytes (default: the workload's, else the engine's); the "
+                        "pool's token capacity and the peak concurrent sequences are reported per row")
     p.add_argument("--cpu-width", default="native",
                    help="comma-separated vector widths of nanokv's CPU kernels: native, 8, 16 (NANOKV_CPU_WIDTH)")
     p.add_argument("--accuracy", action="store_true",

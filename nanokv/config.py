@@ -68,6 +68,10 @@ class EngineArgs:
     quantization: str | None = _arg(None, "'int8': int8 weights with per-output-channel scales computed at load "
                                     "from any checkpoint, activations quantized per 32 values in each GEMM (the "
                                     "CPU kernels); None: the weights in dtype")
+    kv_cache_dtype: str = _arg("auto", "KV cache storage: 'auto' (the model's dtype), 'int8' (asymmetric int8 per "
+                               "token and KV head: q * scale + zero, scale and zero float16, set when the token "
+                               "is written; 3.76x the tokens of float32 at head_dim 64) or 'fp8' (e4m3, the same "
+                               "scales; CUDA with the triton backend only)")
     quantize_lm_head: bool = _arg(False, "with quantization='int8', the LM head in int8 too (a tied embedding "
                                   "keeps its float32 rows for the lookup; the head's int8 copy is extra)")
 
@@ -173,6 +177,9 @@ class EngineArgs:
         if not isinstance(self.attention_backend, str):
             raise ValueError(f"attention_backend must be a string, got {self.attention_backend!r}")
         backend = resolve_backend(self.attention_backend, dev, self.kvcache_block_size, torch_dtype, head_dim)
+        if self.attention_backend == "auto" and backend == "flash_attn" and self.kv_cache_dtype in ("int8", "fp8"):
+            backend = "triton"  # flash_attn reads no quantized pages; triton is importable wherever flash_attn is
+        kv_cache_dtype = _resolve_kv_cache_dtype(self.kv_cache_dtype, dev, backend)
         return EngineConfig(
             model=model, hf_config=hf_config, architecture=architecture, dtype=torch_dtype,
             device=dev, max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
@@ -183,7 +190,7 @@ class EngineArgs:
             seed=int(seed), eos_token_ids=tuple(_eos_token_ids(model, hf_config)),
             attention_backend=backend, tensor_parallel_size=self.tensor_parallel_size,
             max_logprobs=self.max_logprobs, head_dim=head_dim, weight_format=weight_format,
-            lm_head_format=lm_head_format,
+            lm_head_format=lm_head_format, kv_cache_dtype=kv_cache_dtype,
         )
 
 
@@ -231,6 +238,9 @@ class EngineConfig:
     # or "int8" (quantization); see _resolve_weights
     weight_format: str | None = None
     lm_head_format: str | None = None
+    # "auto" (K/V stored in dtype), "int8" or "fp8": quantized pages with a float16 (scale,
+    # zero) per (token, KV head) in a parallel tensor (runner/kv_cache.py)
+    kv_cache_dtype: str = "auto"
 
 
 def model_head_dim(hf_config) -> int:
@@ -321,6 +331,20 @@ def _resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device) ->
 
 
 QUANTIZATIONS = ("int8",)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+
+
+def _resolve_kv_cache_dtype(kv_cache_dtype, device: torch.device, backend: str) -> str:
+    """'auto', 'int8' or 'fp8', checked against the device and the attention backend."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
+    if kv_cache_dtype == "fp8" and (device.type != "cuda" or backend != "triton"):
+        raise ValueError("kv_cache_dtype='fp8' (e4m3) runs on CUDA with attention_backend='triton' only; "
+                         "on the CPU use kv_cache_dtype='int8'")
+    if kv_cache_dtype != "auto" and backend == "flash_attn":
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not read by flash_attn; set "
+                         "attention_backend='triton' (or kv_cache_dtype='auto')")
+    return kv_cache_dtype
 
 
 def _resolve_weights(dtype: torch.dtype, device: torch.device, quantization, quantize_lm_head

@@ -174,7 +174,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def kv_stats(self) -> KVStats:
-        return self.scheduler.kv_stats()
+        return dataclasses.replace(self.scheduler.kv_stats(), bytes_per_token=self.runner.kv_bytes_per_token)
 
     def close(self) -> None:
         """Stop the executor (tensor-parallel workers); later calls raise RuntimeError."""

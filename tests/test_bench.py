@@ -39,6 +39,41 @@ def test_bench_reports_nanokv_and_hf_side_by_side(model_dir):
     assert 0 <= report["outside_forward_percent"] < 100
 
 
+def test_kv_cache_dtype_rows_and_the_long_workload(model_dir):
+    """--kv-cache-dtype auto,int8: one nanokv row each, in one byte budget, each reporting
+    its pool's token capacity (from the byte formula), bytes per token and peak concurrent
+    sequences; the int8 pool holds more tokens."""
+    sys.path.insert(0, ROOT)
+    try:
+        import bench
+    finally:
+        sys.path.remove(ROOT)
+    assert bench.WORKLOADS["long"]["prompt"][0] >= 1500 and bench.WORKLOADS["long"]["output"][0] >= 256
+    args = bench.argparse.Namespace(dtype="float32", quantization="none", kv_cache_dtype="auto,int8",
+                                    cpu_width="native")
+    assert [v.label for v in bench.nanokv_variants(args)] == ["nanokv", "nanokv kv int8"]
+    with pytest.raises(ValueError, match="kv-cache-dtype"):
+        bench.nanokv_variants(bench.argparse.Namespace(dtype="float32", quantization="none",
+                                                       kv_cache_dtype="int4", cpu_width="native"))
+    budget = 4 << 20
+    out = subprocess.run([sys.executable, "bench.py", "--workload", "tiny", "--model", model_dir, "--engines",
+                          "nanokv", "--kv-cache-dtype", "auto,int8", "--kv-cache-memory-bytes", str(budget),
+                          "--repeats", "1", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    rows = {r["engine"]: r for r in report["results"]}
+    auto, int8 = rows["nanokv"], rows["nanokv kv int8"]
+    assert (auto["kv_cache_dtype"], int8["kv_cache_dtype"], report["kv_cache_memory_bytes"]) == ("auto", "int8", budget)
+    for row in (auto, int8):
+        assert row["kv_capacity_tokens"] == budget // (16 * row["kv_bytes_per_token"]) * 16
+        assert 1 <= row["peak_running_seqs"] <= 8
+    from nanokv.config import load_hf_config, model_head_dim
+
+    d = model_head_dim(load_hf_config(model_dir))
+    assert int8["kv_bytes_per_token"] * 4 * d == auto["kv_bytes_per_token"] * (d + 4)  # int8 + 4 bytes a head
+    assert int8["kv_capacity_tokens"] > 3 * auto["kv_capacity_tokens"]
+
+
 def test_workload_overrides():
     sys.path.insert(0, ROOT)
     try:

@@ -45,6 +45,20 @@ def test_tp2_equals_tp1_and_hf(checkpoint, shape, overrides):
     assert not any(p.is_alive() for p in llm.llm_engine.executor.workers)
 
 
+def test_tp2_on_int8_kv_pages_equals_tp1(checkpoint):
+    """Each rank quantizes and reads its own heads' int8 pages and (scale, zero) pairs: the
+    same tokens as one rank, in a full pool with chunked prefill."""
+    model_dir = checkpoint("qwen3-tiny")
+    expected = generate(LLM(model_dir, kv_cache_dtype="int8"))
+    llm = LLM(model_dir, kv_cache_dtype="int8", tensor_parallel_size=2, num_kvcache_blocks=12,
+              kvcache_block_size=8, max_model_len=96, max_num_batched_tokens=64)
+    try:
+        assert generate(llm) == expected
+        assert llm.kv_stats().peak_used_blocks == 12
+    finally:
+        llm.close()
+
+
 def test_bad_tensor_parallel_sizes(checkpoint):
     model_dir = checkpoint("qwen3-tiny")  # 4 heads, 2 KV heads, vocab 1024, intermediate 128
     with pytest.raises(ValueError, match="num_attention_heads"):

@@ -1,4 +1,5 @@
-"""Paged attention backends sharing one KV cache layout: [num_blocks, block_size, kv_heads, head_dim].
+"""Paged attention backends sharing one KV cache layout: [num_blocks, block_size, kv_heads, head_dim]
+(a quantized cache adds its (scale, zero) pairs [num_blocks, block_size, kv_heads, 2]: base.py).
 
 Backends are imported lazily by name, so a CPU install never imports triton or flash_attn
 unless asked.

@@ -45,10 +45,19 @@ class CpuBackend(AttentionBackend):
             ctx = (first + offset + 1).to(torch.int32)
         meta.backend_state = CpuAttentionState(rows, ctx.contiguous(), meta.block_tables.contiguous())
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, k_scales=None, v_scales=None):
+        if k_scales is None:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:  # int8 pages: quantized in C on the way in
+            kernels.store_kv(_heads_contiguous(k), _heads_contiguous(v), k_cache, v_cache, meta.slot_mapping,
+                             k_scales, v_scales)
         st = meta.backend_state
         out = torch.empty_like(q)  # [T, Hq, D]
         kernels.paged_attention(q.contiguous(), k_cache, v_cache, st.tables, st.rows, st.ctx, meta.max_seq_len,
-                                scale, out)
+                                scale, out, k_scales, v_scales)
         return out
+
+
+def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] as nk_store_kv reads it: rows at any stride, each row's H * D values dense."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()

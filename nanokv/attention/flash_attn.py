@@ -38,7 +38,8 @@ class FlashAttnBackend(AttentionBackend):
         meta.backend_state = _PrefillPlan(cu_q.to(torch.int32), cu_k, max(meta.query_lens_cpu[nd:]),
                                           max(meta.seq_lens_cpu[nd:]))
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, k_scales=None, v_scales=None):
+        assert k_scales is None  # quantized caches are refused for flash_attn (config.py)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)  # [T, Hq, D]
         nd = meta.num_decodes

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanokv.attention.base import AttentionBackend, AttentionMetadata, store_kv
+from nanokv.attention.base import AttentionBackend, AttentionMetadata, dequantize_kv, store_kv
 
 _GROWTH = 1.5  # a group's longest context may be this many times its shortest ...
 _MIN_GROUP = 8  # ... once it holds this many sequences
@@ -67,13 +67,16 @@ class TorchRefBackend(AttentionBackend):
         return _Group(seqs, slice(cu[seqs.start], cu[seqs.stop]), meta.block_tables[seqs, :nb],
                       mask[:, None], dest, max_q)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, k_scales=None, v_scales=None):
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scales, v_scales)
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         gqa = q.shape[1] != num_kv_heads
         out = torch.empty_like(q)  # [T, Hq, D]
         for g in meta.backend_state:
             keys, values = _gather(k_cache, g.block_tables), _gather(v_cache, g.block_tables)
+            if k_scales is not None:  # the group's gathered pages only, never the whole pool
+                keys = dequantize_kv(keys, _gather(k_scales, g.block_tables)).to(q.dtype)
+                values = dequantize_kv(values, _gather(v_scales, g.block_tables)).to(q.dtype)
             if g.dest is None:  # decodes: one query per sequence
                 o = F.scaled_dot_product_attention(q[g.tokens].unsqueeze(2), keys, values, attn_mask=g.mask,
                                                    scale=scale, enable_gqa=gqa)  # [b, Hq, 1, D]
@@ -102,8 +105,9 @@ def _split(lengths: list[int], start: int, stop: int) -> list[slice]:
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, bs, H, D] pages of each row of block_tables -> [b, H, nb * bs, D]."""
+    """[num_blocks, bs, H, *rest] pages of each row of block_tables -> [b, H, nb * bs, *rest]
+    (K/V pages [.., D], or their scales)."""
     b, nb = block_tables.shape
     # index_select copies whole pages (memcpy per row): far faster than advanced indexing
     pages = torch.index_select(cache.view(cache.shape[0], -1), 0, block_tables.reshape(-1))
-    return pages.view(b, nb * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
+    return pages.view(b, nb * cache.shape[1], *cache.shape[2:]).transpose(1, 2)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from nanokv.attention.base import AttentionBackend, AttentionMetadata
-from nanokv.attention.triton_kernels import paged_attention, reshape_and_cache, warm_up
+from nanokv.attention.triton_kernels import paged_attention, store_kv, warm_up
 
 # The split-KV heuristic's stand-in for the SM count when the "GPU" is the interpreter.
 _INTERPRETER_SMS = 8
@@ -33,21 +33,23 @@ class TritonBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         meta.backend_state = TritonState(self._sm_count(meta.seq_lens.device))
 
-    def warm_up(self, num_q_heads, num_kv_heads, head_dim, dtype, device, block_size, max_model_len) -> None:
+    def warm_up(self, num_q_heads, num_kv_heads, head_dim, dtype, device, block_size, max_model_len,
+                kv_dtype=None) -> None:
         # only compiled kernels compile (not the interpreter); a forced split count does on first use
         if device.type == "cuda" and self.num_splits is None:
             warm_up(num_q_heads, num_kv_heads, head_dim, dtype, device, block_size, max_model_len,
-                    self._sm_count(device))
+                    self._sm_count(device), kv_dtype)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        # q [T, Hq, D]; k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]
-        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, k_scales=None, v_scales=None):
+        # q [T, Hq, D]; k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D] (quantized: with
+        # scales [num_blocks, block_size, Hkv])
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scales, v_scales)
         out = torch.empty_like(q)  # [T, Hq, D]
         state: TritonState = meta.backend_state
         return paged_attention(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens,
                                meta.block_tables, scale=scale, max_query_len=meta.max_query_len,
                                max_seq_len=meta.max_seq_len, num_sms=state.num_sms,
-                               num_splits=self.num_splits)
+                               num_splits=self.num_splits, k_scales=k_scales, v_scales=v_scales)
 
     def _sm_count(self, device: torch.device) -> int:
         if device not in self._num_sms:

@@ -37,6 +37,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.peak_running = 0  # the most sequences running at once (holding KV blocks)
         self._freed: list[int] = []  # seq ids freed since the last non-empty batch
         self.decode_fast_path = True  # False: decode-only steps take the general loop too (tests)
 
@@ -132,6 +133,7 @@ class Scheduler:
             bm.mark_in_flight(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self.peak_running = max(self.peak_running, len(self.running))
             self._add_to_batch(batch, seq, n)
             budget -= n
         self.waiting.extendleft(reversed(deferred))
@@ -225,7 +227,8 @@ class Scheduler:
             free_blocks=bm.num_free_blocks, free_cached_blocks=bm.num_free_cached,
             peak_used_blocks=bm.peak_used_blocks, stored_tokens=used * bs - empty,
             allocated_slots=used * bs, prefix_query_tokens=bm.query_tokens,
-            prefix_hit_tokens=bm.hit_tokens, num_preemptions=self.num_preemptions)
+            prefix_hit_tokens=bm.hit_tokens, num_preemptions=self.num_preemptions,
+            peak_running_seqs=self.peak_running)
 
     def stop(self, seq: Sequence, stop_reason: str) -> None:
         """Finish a running sequence for a reason found outside the scheduler (a stop

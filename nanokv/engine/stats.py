@@ -27,6 +27,10 @@ class KVStats:
     prefix_query_tokens: int
     prefix_hit_tokens: int
     num_preemptions: int
+    peak_running_seqs: int = 0  # the most sequences holding blocks at once, since the engine started
+    # K and V of one cached token over all layers, scales included (this rank's share of the
+    # heads under tensor parallelism); 0 when unknown
+    bytes_per_token: int = 0
 
     @property
     def usage(self) -> float:
@@ -44,9 +48,18 @@ class KVStats:
     def hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def tokens_per_gib(self) -> int:
+        return (1 << 30) // self.bytes_per_token if self.bytes_per_token else 0
+
     def summary(self) -> str:
         return (f"KV cache: {self.used_blocks}/{self.num_blocks} blocks used ({self.usage:.1%}), "
+                f"{self.capacity_tokens} tokens of {self.bytes_per_token} bytes ({self.tokens_per_gib} per GiB), "
                 f"peak {self.peak_used_blocks}, {self.free_cached_blocks} free but cached; "
                 f"fragmentation {self.fragmentation_tokens} tokens ({self.fragmentation:.1%}); "
                 f"prefix cache hit {self.prefix_hit_tokens}/{self.prefix_query_tokens} tokens "
-                f"({self.hit_rate:.1%}); preemptions {self.num_preemptions}")
+                f"({self.hit_rate:.1%}); preemptions {self.num_preemptions}; peak {self.peak_running_seqs} running")

@@ -588,87 +588,152 @@ const char *nk_int8_isa(void) { return Q8_ISA; }
 
 /* ---- paged decode attention ----------------------------------------------------------- */
 
+/* KV pages hold float32 (Q8 = 0) or int8 (Q8 = 1) values. An int8 cache has a float16
+ * (scale, zero) pair per (token, KV head) in a parallel array [num_blocks, bs, Hkv, 2]
+ * ((slot * Hkv + h) * 2), the stored value being q * scale + zero (asymmetric:
+ * quantize_kv_row). The kernels read the int8 pages in place, widen each vector of keys or
+ * values to float32 and fold the pair into the dot products: a score is
+ * scale_k (q . k_int8) + zero_k sum(q), a value row weighs p * scale_v and adds p * zero_v
+ * to every dim. Every function below is written once for both, with Q8 a constant of each
+ * call (always inlined into a float32 and an int8 copy). */
+#define KV_ELEM(Q8) ((Q8) ? 1 : 4) /* bytes per stored value */
+typedef _Float16 nk_half;         /* the (scale, zero) pairs */
+
+/* sum of a row of D floats (D a multiple of 8) */
+static inline float row_sum(const float *x, long D) {
+    vf a = splat(0);
+    for (long d = 0; d < D; d += VW) a += loadv_part(x + d, D - d);
+    return hsum(a);
+}
+
+typedef int8_t vq8 __attribute__((vector_size(VW), aligned(1)));
+typedef int8_t v8q8 __attribute__((vector_size(8), aligned(1)));
+
+/* the first n values at byte address p (n >= 8, a multiple of 8), widened to float32, zero
+ * past them */
+static inline __attribute__((always_inline)) vf load_kv(const char *p, long n, const int Q8) {
+    if (!Q8) return loadv_part((const float *)p, n);
+#if VW == 8
+    (void)n;
+    return __builtin_convertvector(*(const vq8 *)p, vf);
+#else
+    if (n >= VW) return __builtin_convertvector(*(const vq8 *)p, vf);
+    v8 lo = __builtin_convertvector(*(const v8q8 *)p, v8);
+    vf v = {};
+    memcpy(&v, &lo, 32);
+    return v;
+#endif
+}
+
+static inline __attribute__((always_inline)) float load_kv1(const char *p, const int Q8) {
+    return Q8 ? (float)*(const int8_t *)p : *(const float *)p;
+}
+
 /* Pages sit anywhere in the pool, so the hardware prefetcher cannot guess the next one:
  * while a page is read, the next page of the table is prefetched, spread over the work
  * on this one: each inner iteration requests its share, a few lines (a burst of a whole
  * page of prefetches stalls on the miss buffers; measured: 20-30% more bandwidth). */
-static inline void prefetch_page(const float *page, long floats) {
-    for (long i = 0; i < floats; i += 16) __builtin_prefetch(page + i, 0, 3);
+static inline void prefetch_page(const char *page, long bytes) {
+    for (long i = 0; i < bytes; i += 64) __builtin_prefetch(page + i, 0, 3);
 }
 
 /* Scores of query heads [h0 * G, h1 * G) against the first L cached keys:
- * s[(h - h0) * G + g][t] = scale * q[h * G + g] . k_t[h]. Pages are read whole and in
- * order (KV heads h0..h1 of a row are adjacent); the next page is prefetched meanwhile. */
-static void scores(const float *q, long G, long D, long h0, long h1, const float *kc,
-                   const int32_t *table, long L, long bs, long row_stride, float scale, float *s) {
+ * s[(h - h0) * G + g][t] = scale * q[h * G + g] . k_t[h] (k_t[h] = k_int8 * scale + zero when Q8).
+ * Pages are read whole and in order (KV heads h0..h1 of a row are adjacent); the next
+ * page is prefetched meanwhile. */
+static inline __attribute__((always_inline)) void scores_g(
+        const float *q, long G, long D, long h0, long h1, const void *kc, const nk_half *ks,
+        const int32_t *table, long L, long bs, long row_stride, float scale, float *s, const int Q8) {
+    const long E = KV_ELEM(Q8), Hkv = row_stride / D, rb = row_stride * E; /* rb: bytes per cache row */
+    float qs[Q8 ? (h1 - h0) * G : 1]; /* sum of each query row, for the keys' zeros */
+    for (long r = 0; Q8 && r < (h1 - h0) * G; r++) qs[r] = scale * row_sum(q + (h0 * G + r) * D, D);
     for (long t0 = 0; t0 < L; t0 += bs) {
-        const float *page = kc + (long)table[t0 / bs] * bs * row_stride;
+        const char *page = (const char *)kc + (long)table[t0 / bs] * bs * rb;
+        const nk_half *sc = Q8 ? ks + (long)table[t0 / bs] * bs * Hkv * 2 : 0; /* the page's pairs */
         long n = L - t0 < bs ? L - t0 : bs;
-        const float *next = t0 + bs < L ? kc + (long)table[t0 / bs + 1] * bs * row_stride : 0;
+        const char *next = t0 + bs < L ? (const char *)kc + (long)table[t0 / bs + 1] * bs * rb : 0;
         long t = 0;
         for (; t + 4 <= n; t += 4) {
-            const float *r0 = page + t * row_stride;
-            long iters = (h1 - h0) * G, share = (4 * row_stride + 16 * iters - 1) / (16 * iters) * 16, done = 0;
+            const char *r0 = page + t * rb;
+            long iters = (h1 - h0) * G, share = (4 * rb + 64 * iters - 1) / (64 * iters) * 64, done = 0;
             for (long h = h0; h < h1; h++) {
-                const float *k0 = r0 + h * D, *k1 = k0 + row_stride;
-                const float *k2 = k1 + row_stride, *k3 = k2 + row_stride;
+                const char *k0 = r0 + h * D * E, *k1 = k0 + rb;
+                const char *k2 = k1 + rb, *k3 = k2 + rb;
                 for (long g = 0; g < G; g++) {
-                    if (next && done < 4 * row_stride) { /* this iteration's share of the next page */
-                        long len = 4 * row_stride - done < share ? 4 * row_stride - done : share;
-                        prefetch_page(next + t * row_stride + done, len);
+                    if (next && done < 4 * rb) { /* this iteration's share of the next page */
+                        long len = 4 * rb - done < share ? 4 * rb - done : share;
+                        prefetch_page(next + t * rb + done, len);
                         done += len;
                     }
                     const float *qg = q + (h * G + g) * D;
                     vf a0 = splat(0), a1 = splat(0), a2 = splat(0), a3 = splat(0);
                     for (long d = 0; d < D; d += VW) {
                         vf qv = loadv_part(qg + d, D - d);
-                        a0 += qv * loadv_part(k0 + d, D - d);
-                        a1 += qv * loadv_part(k1 + d, D - d);
-                        a2 += qv * loadv_part(k2 + d, D - d);
-                        a3 += qv * loadv_part(k3 + d, D - d);
+                        a0 += qv * load_kv(k0 + d * E, D - d, Q8);
+                        a1 += qv * load_kv(k1 + d * E, D - d, Q8);
+                        a2 += qv * load_kv(k2 + d * E, D - d, Q8);
+                        a3 += qv * load_kv(k3 + d * E, D - d, Q8);
                     }
                     float *sg = s + ((h - h0) * G + g) * L + t0 + t;
-                    sg[0] = hsum(a0) * scale;
-                    sg[1] = hsum(a1) * scale;
-                    sg[2] = hsum(a2) * scale;
-                    sg[3] = hsum(a3) * scale;
+                    if (Q8) {
+                        const nk_half *st = sc + (t * Hkv + h) * 2;
+                        float z = qs[(h - h0) * G + g];
+                        sg[0] = hsum(a0) * (scale * (float)st[0]) + z * (float)st[1];
+                        sg[1] = hsum(a1) * (scale * (float)st[2 * Hkv]) + z * (float)st[2 * Hkv + 1];
+                        sg[2] = hsum(a2) * (scale * (float)st[4 * Hkv]) + z * (float)st[4 * Hkv + 1];
+                        sg[3] = hsum(a3) * (scale * (float)st[6 * Hkv]) + z * (float)st[6 * Hkv + 1];
+                    } else {
+                        sg[0] = hsum(a0) * scale;
+                        sg[1] = hsum(a1) * scale;
+                        sg[2] = hsum(a2) * scale;
+                        sg[3] = hsum(a3) * scale;
+                    }
                 }
             }
         }
         for (; t < n; t++) {
             for (long h = h0; h < h1; h++) {
-                const float *k0 = page + t * row_stride + h * D;
+                const char *k0 = page + t * rb + h * D * E;
+                float f = Q8 ? scale * (float)sc[(t * Hkv + h) * 2] : scale;
+                float z = Q8 ? (float)sc[(t * Hkv + h) * 2 + 1] : 0;
                 for (long g = 0; g < G; g++) {
                     vf a0 = splat(0);
                     for (long d = 0; d < D; d += VW)
-                        a0 += loadv_part(q + (h * G + g) * D + d, D - d) * loadv_part(k0 + d, D - d);
-                    s[((h - h0) * G + g) * L + t0 + t] = hsum(a0) * scale;
+                        a0 += loadv_part(q + (h * G + g) * D + d, D - d) * load_kv(k0 + d * E, D - d, Q8);
+                    s[((h - h0) * G + g) * L + t0 + t] = Q8 ? hsum(a0) * f + z * qs[(h - h0) * G + g] : hsum(a0) * f;
                 }
             }
         }
     }
 }
 
-/* acc[(h - h0) * G + g] = sum_t p[(h - h0) * G + g][t] v_t[h]; a page (in L1 after its
- * first pass) is read once from memory, the next one prefetched meanwhile. */
-static void weighted_values(const float *s, long G, long D, long h0, long h1, const float *vc,
-                            const int32_t *table, long L, long bs, long row_stride, float *acc) {
+/* acc[(h - h0) * G + g] = sum_t p[(h - h0) * G + g][t] v_t[h] (v_t[h] = v_int8 * scale + zero
+ * when Q8); a page (in L1 after its first pass) is read once from memory, the next one
+ * prefetched meanwhile. */
+static inline __attribute__((always_inline)) void weighted_values_g(
+        const float *s, long G, long D, long h0, long h1, const void *vc, const nk_half *vs,
+        const int32_t *table, long L, long bs, long row_stride, float *acc, const int Q8) {
+    const long E = KV_ELEM(Q8), Hkv = row_stride / D, rb = row_stride * E;
     long rows = (h1 - h0) * G;
+    float zs[Q8 ? rows : 1]; /* sum_t p_t zero_t of each row: added to all its dims at the end */
+    if (Q8) memset(zs, 0, sizeof(float) * rows);
     memset(acc, 0, sizeof(float) * rows * D);
     for (long t0 = 0; t0 < L; t0 += bs) {
-        const float *page = vc + (long)table[t0 / bs] * bs * row_stride;
+        const char *page = (const char *)vc + (long)table[t0 / bs] * bs * rb;
         long n = L - t0 < bs ? L - t0 : bs;
-        const float *next = t0 + bs < L ? vc + (long)table[t0 / bs + 1] * bs * row_stride : 0;
+        const char *next = t0 + bs < L ? (const char *)vc + (long)table[t0 / bs + 1] * bs * rb : 0;
         for (long r = 0; r < rows; r++) {
             /* this row's share of the next page, a line per value row read */
-            const float *pf = 0, *pf_end = 0;
+            const char *pf = 0, *pf_end = 0;
             if (next) {
-                long share = (bs * row_stride + 16 * rows - 1) / (16 * rows) * 16; /* whole lines */
-                long from = r * share, to = from + share < bs * row_stride ? from + share : bs * row_stride;
+                long share = (bs * rb + 64 * rows - 1) / (64 * rows) * 64; /* whole lines */
+                long from = r * share, to = from + share < bs * rb ? from + share : bs * rb;
                 if (from < to) pf = next + from, pf_end = next + to;
             }
             const float *sg = s + r * L + t0;
-            const float *vh = page + (h0 + r / G) * D;
+            const nk_half *sc = Q8 ? vs + ((long)table[t0 / bs] * bs * Hkv + h0 + r / G) * 2 : 0; /* stride 2 Hkv */
+            for (long j = 0; Q8 && j < n; j++) zs[r] += sg[j] * (float)sc[j * Hkv * 2 + 1];
+            const char *vh = page + (h0 + r / G) * D * E;
             float *ag = acc + r * D;
             for (long d0 = 0; d0 < D; d0 += 4 * VW) { /* up to 4 accumulators in registers over the page */
                 long w = D - d0 < 4 * VW ? D - d0 : 4 * VW;
@@ -676,16 +741,16 @@ static void weighted_values(const float *s, long G, long D, long h0, long h1, co
                 vf a2 = w > 2 * VW ? loadv_part(ag + d0 + 2 * VW, w - 2 * VW) : splat(0);
                 vf a3 = w > 3 * VW ? loadv_part(ag + d0 + 3 * VW, w - 3 * VW) : splat(0);
                 for (long j = 0; j < n; j++) {
-                    const float *vr = vh + j * row_stride + d0;
+                    const char *vr = vh + (j * row_stride + d0) * E;
                     if (pf < pf_end) {
                         __builtin_prefetch(pf, 0, 3);
-                        pf += 16;
+                        pf += 64;
                     }
-                    vf p = splat(sg[j]);
-                    a0 += p * loadv_part(vr, w);
-                    if (w > VW) a1 += p * loadv_part(vr + VW, w - VW);
-                    if (w > 2 * VW) a2 += p * loadv_part(vr + 2 * VW, w - 2 * VW);
-                    if (w > 3 * VW) a3 += p * loadv_part(vr + 3 * VW, w - 3 * VW);
+                    vf p = splat(Q8 ? sg[j] * (float)sc[j * Hkv * 2] : sg[j]);
+                    a0 += p * load_kv(vr, w, Q8);
+                    if (w > VW) a1 += p * load_kv(vr + VW * E, w - VW, Q8);
+                    if (w > 2 * VW) a2 += p * load_kv(vr + 2 * VW * E, w - 2 * VW, Q8);
+                    if (w > 3 * VW) a3 += p * load_kv(vr + 3 * VW * E, w - 3 * VW, Q8);
                 }
                 storev_part(ag + d0, a0, w);
                 if (w > VW) storev_part(ag + d0 + VW, a1, w - VW);
@@ -695,6 +760,8 @@ static void weighted_values(const float *s, long G, long D, long h0, long h1, co
             if (pf < pf_end) prefetch_page(pf, pf_end - pf); /* what the reads did not cover */
         }
     }
+    for (long r = 0; Q8 && r < rows; r++)
+        for (long d = 0; d < D; d += VW) storev_part(acc + r * D + d, loadv_part(acc + r * D + d, D - d) + splat(zs[r]), D - d);
 }
 
 /* softmax of s[0, L) in place; returns 1 / sum */
@@ -780,10 +847,14 @@ static void pack_rows(const float *const *qr, long R, long D, float *qt) {
     default: call(6); break;                                                                \
     }
 
-/* st[t][r] = scale * k_t . q_r for NB keys t (rows at row_stride) and the 16 rows of panel w */
-static inline __attribute__((always_inline)) void score_block(const float *keys, long row_stride, long D,
-                                                              const float *w, float scale, float *o, long Rp,
-                                                              const int NB) {
+/* st[t][r] = scale * k_t . q_r for NB keys t (rows at row_stride values) and the 16 rows of
+ * panel w; when Q8 k_t = k_int8 * scale + zero, the pair at ksc + t * kss, and qsum the
+ * panel's 16 row sums (times scale) */
+static inline __attribute__((always_inline)) void score_block(const char *keys, long row_stride, long D,
+                                                              const float *w, float scale, const nk_half *ksc,
+                                                              long kss, const float *qsum, float *o, long Rp,
+                                                              const int NB, const int Q8) {
+    const long E = KV_ELEM(Q8);
     vf a[KB][NV];
     for (int i = 0; i < NB; i++)
         for (int v = 0; v < NV; v++) a[i][v] = splat(0);
@@ -791,20 +862,32 @@ static inline __attribute__((always_inline)) void score_block(const float *keys,
         vf wv[NV];
         for (int v = 0; v < NV; v++) wv[v] = loadv(w + d * 16 + v * VW);
         for (int i = 0; i < NB; i++) {
-            vf b = splat(keys[i * row_stride + d]);
+            vf b = splat(load_kv1(keys + (i * row_stride + d) * E, Q8));
             for (int v = 0; v < NV; v++) a[i][v] += b * wv[v];
         }
     }
-    for (int i = 0; i < NB; i++)
-        for (int v = 0; v < NV; v++) storev(o + i * Rp + v * VW, a[i][v] * splat(scale));
+    for (int i = 0; i < NB; i++) {
+        vf f = splat(Q8 ? scale * (float)ksc[i * kss] : scale);
+        if (Q8) {
+            vf z = splat((float)ksc[i * kss + 1]);
+            for (int v = 0; v < NV; v++) storev(o + i * Rp + v * VW, a[i][v] * f + z * loadv(qsum + v * VW));
+        } else {
+            for (int v = 0; v < NV; v++) storev(o + i * Rp + v * VW, a[i][v] * f);
+        }
+    }
 }
 
-/* st[t][r] = scale * k_t . q_r for the n keys of one page, r < Rp */
-static void page_scores(const float *keys, long n, long row_stride, long D, const float *qt, long Rp,
-                        float scale, float *st) {
+/* st[t][r] = scale * k_t . q_r for the n keys of one page, r < Rp (ksc: the page's first
+ * key's (scale, zero), stride kss; qsum: the Rp row sums times scale) */
+static inline __attribute__((always_inline)) void page_scores(const char *keys, long n, long row_stride, long D,
+                                                              const float *qt, long Rp, float scale,
+                                                              const nk_half *ksc, long kss, const float *qsum,
+                                                              float *st, const int Q8) {
+    const long E = KV_ELEM(Q8);
     for (long p = 0; p < Rp / 16; p++)
         for (long t = 0; t < n; t += KB) {
-#define SCORE_BLOCK(NB) score_block(keys + t * row_stride, row_stride, D, qt + p * D * 16, scale, st + t * Rp + p * 16, Rp, NB)
+#define SCORE_BLOCK(NB) score_block(keys + t * row_stride * E, row_stride, D, qt + p * D * 16, scale, \
+                                    Q8 ? ksc + t * kss : 0, kss, qsum + p * 16, st + t * Rp + p * 16, Rp, NB, Q8)
             SPECIALIZE(n - t, SCORE_BLOCK)
 #undef SCORE_BLOCK
         }
@@ -812,32 +895,45 @@ static void page_scores(const float *keys, long n, long row_stride, long D, cons
 
 /* out rows 0..NB-1 (orow), dims [d0, d0 + DIMS) (16, or 8 at the end of an odd head), += P V
  * over the page's nk keys (p: P^T at the page's first key and the block's first row, stride
- * Rp); the first page starts from zero. DIMS is a constant, so each case compiles alone. */
-static inline __attribute__((always_inline)) void value_block(const float *p, long Rp, const float *page, long nk,
-                                                              long row_stride, float *const *orow, int first,
-                                                              long d0, const int DIMS, const int NB) {
+ * Rp; vsc: the page's first value's (scale, zero), stride vss, when Q8); the first page
+ * starts from zero. DIMS is a constant, so each case compiles alone. */
+static inline __attribute__((always_inline)) void value_block(const float *p, long Rp, const char *page, long nk,
+                                                              long row_stride, const nk_half *vsc, long vss,
+                                                              float *const *orow, int first, long d0,
+                                                              const int DIMS, const int NB, const int Q8) {
     const int VECS = (DIMS + VW - 1) / VW; /* vectors over the dims, the last one perhaps half used */
+    const long E = KV_ELEM(Q8);
     vf a[KB][NV];
     for (int i = 0; i < NB; i++)
         for (int v = 0; v < VECS; v++) a[i][v] = first ? splat(0) : loadv_part(orow[i] + d0 + v * VW, DIMS - v * VW);
+    float zs[KB] = {0}; /* sum_j p_j zero_j of each row */
     for (long j = 0; j < nk; j++) {
-        const float *vr = page + j * row_stride + d0, *pj = p + j * Rp;
+        const char *vr = page + (j * row_stride + d0) * E;
+        const float *pj = p + j * Rp;
+        float f = Q8 ? (float)vsc[j * vss] : 1.0f;
+        if (Q8) {
+            float z = (float)vsc[j * vss + 1];
+            for (int i = 0; i < NB; i++) zs[i] += pj[i] * z;
+        }
         vf wv[NV];
-        for (int v = 0; v < VECS; v++) wv[v] = loadv_part(vr + v * VW, DIMS - v * VW);
+        for (int v = 0; v < VECS; v++) wv[v] = load_kv(vr + v * VW * E, DIMS - v * VW, Q8);
         for (int i = 0; i < NB; i++) {
-            vf b = splat(pj[i]);
+            vf b = splat(Q8 ? pj[i] * f : pj[i]);
             for (int v = 0; v < VECS; v++) a[i][v] += b * wv[v];
         }
     }
     for (int i = 0; i < NB; i++)
-        for (int v = 0; v < VECS; v++) storev_part(orow[i] + d0 + v * VW, a[i][v], DIMS - v * VW);
+        for (int v = 0; v < VECS; v++)
+            storev_part(orow[i] + d0 + v * VW, Q8 ? a[i][v] + splat(zs[i]) : a[i][v], DIMS - v * VW);
 }
 
 /* one prefill tile (queries t0..t0+n-1, contexts c0..c0+n-1) against KV head h;
  * s: L * Rp floats, qt: Rp * D floats (Rp = R rounded up to 16) */
-static void attend_tile(const float *q, const float *kc, const float *vc, const int32_t *table, long t0,
-                        long n, long c0, long h, long Hq, long G, long D, long bs, long row_stride,
-                        float scale, float *out, float *s, float *qt) {
+static inline __attribute__((always_inline)) void attend_tile_g(
+        const float *q, const void *kc, const void *vc, const nk_half *ks, const nk_half *vs, const int32_t *table,
+        long t0, long n, long c0, long h, long Hq, long G, long D, long bs, long row_stride, float scale,
+        float *out, float *s, float *qt, const int Q8) {
+    const long E = KV_ELEM(Q8), Hkv = row_stride / D;
     const float *qr[TILE_ROWS];
     float *orow[TILE_ROWS];
     long R = n * G, L = c0 + n - 1, Rp = (R + 15) / 16 * 16;
@@ -847,10 +943,12 @@ static void attend_tile(const float *q, const float *kc, const float *vc, const 
             orow[i * G + g] = out + ((t0 + i) * Hq + h * G + g) * D;
         }
     pack_rows(qr, R, D, qt);
+    float qsum[TILE_ROWS] = {0}; /* each row's sum times scale, for the keys' zeros */
+    for (long r = 0; Q8 && r < R; r++) qsum[r] = scale * row_sum(qr[r], D);
     for (long k0 = 0; k0 < L; k0 += bs) {
-        long nk = L - k0 < bs ? L - k0 : bs;
-        page_scores(kc + (long)table[k0 / bs] * bs * row_stride + h * D, nk, row_stride, D, qt, Rp, scale,
-                    s + k0 * Rp);
+        long nk = L - k0 < bs ? L - k0 : bs, first = (long)table[k0 / bs] * bs; /* the page's first slot */
+        page_scores((const char *)kc + (first * row_stride + h * D) * E, nk, row_stride, D, qt, Rp, scale,
+                    Q8 ? ks + (first * Hkv + h) * 2 : 0, 2 * Hkv, qsum, s + k0 * Rp, Q8);
     }
     /* softmax down the keys, VW rows per vector: row r sees the first c0 + r / G keys */
     float inv[TILE_ROWS];
@@ -874,12 +972,14 @@ static void attend_tile(const float *q, const float *kc, const float *vc, const 
     }
     /* O = P V, a page at a time; the sums go back to the output rows between pages */
     for (long k0 = 0; k0 < L; k0 += bs) {
-        const float *page = vc + (long)table[k0 / bs] * bs * row_stride + h * D;
+        long first = (long)table[k0 / bs] * bs;
+        const char *page = (const char *)vc + (first * row_stride + h * D) * E;
+        const nk_half *vsc = Q8 ? vs + (first * Hkv + h) * 2 : 0;
         long nk = L - k0 < bs ? L - k0 : bs;
         for (long r0 = 0; r0 < R; r0 += KB)
             for (long d0 = 0; d0 < D; d0 += 16) {
-#define VALUE_BLOCK_16(NB) value_block(s + k0 * Rp + r0, Rp, page, nk, row_stride, orow + r0, k0 == 0, d0, 16, NB)
-#define VALUE_BLOCK_8(NB) value_block(s + k0 * Rp + r0, Rp, page, nk, row_stride, orow + r0, k0 == 0, d0, 8, NB)
+#define VALUE_BLOCK_16(NB) value_block(s + k0 * Rp + r0, Rp, page, nk, row_stride, vsc, 2 * Hkv, orow + r0, k0 == 0, d0, 16, NB, Q8)
+#define VALUE_BLOCK_8(NB) value_block(s + k0 * Rp + r0, Rp, page, nk, row_stride, vsc, 2 * Hkv, orow + r0, k0 == 0, d0, 8, NB, Q8)
                 if (D - d0 >= 16) {
                     SPECIALIZE(R - r0, VALUE_BLOCK_16)
                 } else {
@@ -895,15 +995,53 @@ static void attend_tile(const float *q, const float *kc, const float *vc, const 
     }
 }
 
+/* the float32 and the int8 copies of the tile and decode kernels */
+static void attend_tile_f32(const float *q, const void *kc, const void *vc, const int32_t *table, long t0, long n,
+                            long c0, long h, long Hq, long G, long D, long bs, long row_stride, float scale,
+                            float *out, float *s, float *qt) {
+    attend_tile_g(q, kc, vc, 0, 0, table, t0, n, c0, h, Hq, G, D, bs, row_stride, scale, out, s, qt, 0);
+}
+
+static void attend_tile_q8(const float *q, const void *kc, const void *vc, const nk_half *ks, const nk_half *vs,
+                           const int32_t *table, long t0, long n, long c0, long h, long Hq, long G, long D, long bs,
+                           long row_stride, float scale, float *out, float *s, float *qt) {
+    attend_tile_g(q, kc, vc, ks, vs, table, t0, n, c0, h, Hq, G, D, bs, row_stride, scale, out, s, qt, 1);
+}
+
+/* one decode query (heads h0..h1 of its KV heads) over its L cached tokens */
+static inline __attribute__((always_inline)) void attend_one_g(
+        const float *qt, const void *kc, const void *vc, const nk_half *ks, const nk_half *vs, const int32_t *table,
+        long L, long G, long D, long h0, long h1, long bs, long row_stride, float scale, float *s, float *ot,
+        const int Q8) {
+    scores_g(qt, G, D, h0, h1, kc, ks, table, L, bs, row_stride, scale, s, Q8);
+    for (long r = 0; r < (h1 - h0) * G; r++) {
+        float inv = softmax_row(s + r * L, L);
+        for (long j = 0; j < L; j++) s[r * L + j] *= inv;
+    }
+    weighted_values_g(s, G, D, h0, h1, vc, vs, table, L, bs, row_stride, ot, Q8);
+}
+
+static void attend_one_f32(const float *qt, const void *kc, const void *vc, const int32_t *table, long L, long G,
+                           long D, long h0, long h1, long bs, long row_stride, float scale, float *s, float *ot) {
+    attend_one_g(qt, kc, vc, 0, 0, table, L, G, D, h0, h1, bs, row_stride, scale, s, ot, 0);
+}
+
+static void attend_one_q8(const float *qt, const void *kc, const void *vc, const nk_half *ks, const nk_half *vs,
+                          const int32_t *table, long L, long G, long D, long h0, long h1, long bs, long row_stride,
+                          float scale, float *s, float *ot) {
+    attend_one_g(qt, kc, vc, ks, vs, table, L, G, D, h0, h1, bs, row_stride, scale, s, ot, 1);
+}
+
 /* Paged attention, one query token per row: query t (q [T, Hq, D]) belongs to the
  * sequence in row rows[t] of tables [B, width] and sees that sequence's first ctx[t]
  * cached tokens (a decode: the whole context; a prefill token at position p: p + 1, which
- * is causal masking). Caches [num_blocks, bs, Hkv, D]; out [T, Hq, D]. Keys and values
+ * is causal masking). Caches [num_blocks, bs, Hkv, D], float32, or int8 with their float16
+ * (scale, zero) pairs ks, vs [num_blocks, bs, Hkv, 2] (NULL for float32); out [T, Hq, D]. Keys and values
  * are read in place. Runs of consecutive prompt tokens of one sequence form tiles that
  * share their key/value reads (attend_tile); other queries (decodes) go one by one, all
  * heads at once. D must be a multiple of 8 (and at most 512), Hq a multiple of Hkv. */
-void nk_paged_attention(const float *q, const float *kc, const float *vc, const int32_t *tables,
-                        long width, const int32_t *rows, const int32_t *ctx, long T, long Hq,
+void nk_paged_attention(const float *q, const void *kc, const void *vc, const nk_half *ks, const nk_half *vs,
+                        const int32_t *tables, long width, const int32_t *rows, const int32_t *ctx, long T, long Hq,
                         long Hkv, long D, long bs, float scale, long max_len, float *out) {
     long G = Hq / Hkv, row_stride = Hkv * D;
     long tile_queries = TILE_ROWS / G > 0 ? TILE_ROWS / G : 1;
@@ -950,7 +1088,10 @@ void nk_paged_attention(const float *q, const float *kc, const float *vc, const 
             long L = ctx[t];
             const int32_t *table = tables + (long)rows[t] * width;
             if (n > 1) {
-                attend_tile(q, kc, vc, table, t, n, L, h0, Hq, G, D, bs, row_stride, scale, out, s, qt);
+                if (ks)
+                    attend_tile_q8(q, kc, vc, ks, vs, table, t, n, L, h0, Hq, G, D, bs, row_stride, scale, out, s, qt);
+                else
+                    attend_tile_f32(q, kc, vc, table, t, n, L, h0, Hq, G, D, bs, row_stride, scale, out, s, qt);
                 continue;
             }
             float *ot = out + (t * Hq + h0 * G) * D;
@@ -958,12 +1099,10 @@ void nk_paged_attention(const float *q, const float *kc, const float *vc, const 
                 memset(ot, 0, sizeof(float) * (h1 - h0) * G * D);
                 continue;
             }
-            scores(q + t * Hq * D, G, D, h0, h1, kc, table, L, bs, row_stride, scale, s);
-            for (long r = 0; r < (h1 - h0) * G; r++) {
-                float inv = softmax_row(s + r * L, L);
-                for (long j = 0; j < L; j++) s[r * L + j] *= inv;
-            }
-            weighted_values(s, G, D, h0, h1, vc, table, L, bs, row_stride, ot);
+            if (ks)
+                attend_one_q8(q + t * Hq * D, kc, vc, ks, vs, table, L, G, D, h0, h1, bs, row_stride, scale, s, ot);
+            else
+                attend_one_f32(q + t * Hq * D, kc, vc, table, L, G, D, h0, h1, bs, row_stride, scale, s, ot);
         }
         free(s);
         free(qt);
@@ -1042,6 +1181,49 @@ void nk_qk_norm_rope(const float *qkv, long T, long Hq, long Hkv, long D, const 
 
 #pragma GCC pop_options
 
+/* ---- KV writes ---------------------------------------------------------------------------
+ * One head's D values -> int8 q and its float16 (scale, zero), asymmetric, as
+ * attention/base.py's quantize_kv computes them (the same bits): zero = (max + min) / 2
+ * rounded to float16, scale = max |x - zero| / 127 rounded to float16, q = (x - zero) /
+ * scale (the division, not a reciprocal's product) rounded to nearest even; a constant
+ * head gets scale 0 and q 0. */
+static void quantize_kv_row(const float *x, long D, int8_t *q, nk_half *params) {
+    float hi = x[0], lo = x[0];
+    for (long d = 1; d < D; d++) {
+        hi = x[d] > hi ? x[d] : hi;
+        lo = x[d] < lo ? x[d] : lo;
+    }
+    float zero = (float)(nk_half)((hi + lo) / 2), mx = 0;
+    for (long d = 0; d < D; d++) mx = fabsf(x[d] - zero) > mx ? fabsf(x[d] - zero) : mx;
+    float sc = (float)(nk_half)(mx / 127.0f);
+    params[0] = (nk_half)sc, params[1] = (nk_half)zero;
+    for (long d = 0; d < D; d++) {
+        float y = sc > 0 ? nearbyintf((x[d] - zero) / sc) : 0.0f;
+        q[d] = (int8_t)(y > 127 ? 127 : y < -127 ? -127 : y);
+    }
+}
+
+/* Token t's k (row t of k, stride k_stride floats) and v (the same, v_stride) into cache
+ * slot slots[t] of the caches [num_blocks, bs, Hkv, D]: copied (float32 caches, ks NULL),
+ * or quantized per (token, KV head) with the pairs into ks, vs [num_blocks, bs, Hkv, 2]. */
+void nk_store_kv(const float *k, long k_stride, const float *v, long v_stride, const int64_t *slots, long T,
+                 long Hkv, long D, void *kc, void *vc, nk_half *ks, nk_half *vs) {
+    long kv = Hkv * D;
+    for (long t = 0; t < T; t++) {
+        const float *kt = k + t * k_stride, *vt = v + t * v_stride;
+        long slot = slots[t];
+        if (!ks) {
+            memcpy((float *)kc + slot * kv, kt, sizeof(float) * kv);
+            memcpy((float *)vc + slot * kv, vt, sizeof(float) * kv);
+            continue;
+        }
+        for (long h = 0; h < Hkv; h++) {
+            quantize_kv_row(kt + h * D, D, (int8_t *)kc + slot * kv + h * D, ks + (slot * Hkv + h) * 2);
+            quantize_kv_row(vt + h * D, D, (int8_t *)vc + slot * kv + h * D, vs + (slot * Hkv + h) * 2);
+        }
+    }
+}
+
 /* ---- one whole decoder layer (Llama family, one rank) in one call -----------------------
  * The same steps as the Python layer, kernel after kernel, without going back to Python
  * between them: per-step overhead is most of a small model's decode step otherwise. */
@@ -1057,7 +1239,8 @@ struct nk_layer {
     const float *gate_up_bias;
     const void *down;
     const float *down_bias;
-    float *k_cache, *v_cache; /* [num_blocks, bs, Hkv, D] */
+    void *k_cache, *v_cache; /* [num_blocks, bs, Hkv, D], float32, or int8 with ... */
+    nk_half *k_scales, *v_scales; /* ... their (scale, zero) pairs [num_blocks, bs, Hkv, 2] (NULL: float32) */
 };
 
 struct nk_step {
@@ -1086,12 +1269,11 @@ void nk_decoder_layer(const struct nk_layer *l, const struct nk_step *s, const f
     }
     nk_linear(s->normed, T, H, l->qkv, l->fmt, qkv_width, l->qkv_bias, s->qkv);
     nk_qk_norm_rope(s->qkv, T, l->Hq, l->Hkv, l->D, l->q_norm, l->k_norm, l->eps, s->cos, s->sin, s->q, s->k);
-    for (long t = 0; t < T; t++) { /* new K/V into their cache slots */
-        memcpy(l->k_cache + s->slots[t] * kv, s->k + t * kv, sizeof(float) * kv);
-        memcpy(l->v_cache + s->slots[t] * kv, s->qkv + t * qkv_width + (l->Hq + l->Hkv) * l->D, sizeof(float) * kv);
-    }
-    nk_paged_attention(s->q, l->k_cache, l->v_cache, s->tables, s->width, s->rows, s->ctx, T, l->Hq, l->Hkv,
-                       l->D, l->bs, l->scale, s->max_len, s->attn);
+    /* new K/V into their cache slots */
+    nk_store_kv(s->k, kv, s->qkv + (l->Hq + l->Hkv) * l->D, qkv_width, s->slots, T, l->Hkv, l->D, l->k_cache,
+                l->v_cache, l->k_scales, l->v_scales);
+    nk_paged_attention(s->q, l->k_cache, l->v_cache, l->k_scales, l->v_scales, s->tables, s->width, s->rows, s->ctx,
+                       T, l->Hq, l->Hkv, l->D, l->bs, l->scale, s->max_len, s->attn);
     if (last && s->keep) { /* compact the kept rows (keep ascending: r >= i) */
         for (long i = 0; i < s->keep_n; i++) {
             long r = s->keep[i];

@@ -21,7 +21,8 @@ class NkLayer(ctypes.Structure):
 
     _fields_ = [(n, _L) for n in ("H", "Hq", "Hkv", "D", "I", "bs", "fmt")] + [("eps", _F), ("scale", _F)] + [
         (n, _P) for n in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias",
-                          "gate_up", "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")]
+                          "gate_up", "gate_up_bias", "down", "down_bias", "k_cache", "v_cache",
+                          "k_scales", "v_scales")]
 
 
 class NkStep(ctypes.Structure):
@@ -54,8 +55,10 @@ def load(width: int | None = None, portable: bool | str = False):
     p, i, f, n = _P, _L, _F, ctypes.c_int
     lib.nk_linear.argtypes = [p, i, i, p, n, i, p, p]
     lib.nk_linear.restype = None
-    lib.nk_paged_attention.argtypes = [p, p, p, p, i, p, p, i, i, i, i, i, f, i, p]
+    lib.nk_paged_attention.argtypes = [p, p, p, p, p, p, i, p, p, i, i, i, i, i, f, i, p]
     lib.nk_paged_attention.restype = None
+    lib.nk_store_kv.argtypes = [p, i, p, i, p, i, i, i, p, p, p, p]
+    lib.nk_store_kv.restype = None
     lib.nk_linear_silu_mul.argtypes = [p, i, i, p, n, i, p, p]
     lib.nk_linear_silu_mul.restype = None
     lib.nk_panel_bytes.argtypes = [n, i]

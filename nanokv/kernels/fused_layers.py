@@ -67,6 +67,7 @@ class FusedCpuLayers:
         for i, (desc, layer) in enumerate(zip(self.layers, self.model.layers)):
             cache = layer.self_attn.attn
             desc.k_cache, desc.v_cache = cache.k_cache.data_ptr(), cache.v_cache.data_ptr()
+            desc.k_scales, desc.v_scales = ptr(cache.k_scales), ptr(cache.v_scales)  # None: float32 pages
             desc.bs = cache.k_cache.shape[1]
             decoder_layer(desc, step, x if i == 0 else hidden, residual, i == 0, i == last, hidden)
         if not fewer:

@@ -216,15 +216,41 @@ def embed(ids: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     rows: torch.Tensor, ctx_lens: torch.Tensor, max_len: int, scale: float,
-                    out: torch.Tensor) -> None:
+                    out: torch.Tensor, k_scales: torch.Tensor | None = None,
+                    v_scales: torch.Tensor | None = None) -> None:
     """q [T, Hq, D]: query t attends to the first ctx_lens[t] tokens of the sequence in row
     rows[t] of block_tables (int32 [B, width]) in the paged caches [num_blocks, block_size,
-    Hkv, D] -> out [T, Hq, D]. rows and ctx_lens are int32 [T]; all contiguous float32."""
+    Hkv, D] -> out [T, Hq, D]. rows and ctx_lens are int32 [T]; all contiguous, float32, or
+    int8 caches with their (scale, zero) pairs [num_blocks, block_size, Hkv, 2] float16 (read
+    in place)."""
     t, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
-    lib().nk_paged_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                             block_tables.shape[1], rows.data_ptr(), ctx_lens.data_ptr(), t, hq, hkv, d, bs,
-                             scale, max_len, out.data_ptr())
+    _check_kv(k_cache, v_cache, k_scales, v_scales)
+    lib().nk_paged_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), ptr(k_scales), ptr(v_scales),
+                             block_tables.data_ptr(), block_tables.shape[1], rows.data_ptr(), ctx_lens.data_ptr(),
+                             t, hq, hkv, d, bs, scale, max_len, out.data_ptr())
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None,
+             v_scales: torch.Tensor | None = None) -> None:
+    """k, v [T, Hkv, D] float32 (rows may be strided, heads contiguous) into slots
+    slot_mapping (int64 [T]) of the caches [num_blocks, block_size, Hkv, D]: copied, or with
+    scales ([num_blocks, block_size, Hkv, 2] float16) given quantized to int8 per (token,
+    head) as attention/base.py's quantize_kv does."""
+    t, hkv, d = k.shape
+    _check_kv(k_cache, v_cache, k_scales, v_scales)
+    assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == d and slot_mapping.is_contiguous()
+    lib().nk_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), t, hkv, d,
+                      k_cache.data_ptr(), v_cache.data_ptr(), ptr(k_scales), ptr(v_scales))
+
+
+def _check_kv(k_cache, v_cache, k_scales, v_scales) -> None:
+    quantized = k_scales is not None
+    assert k_cache.dtype == v_cache.dtype == (torch.int8 if quantized else torch.float32)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert not quantized or (k_scales.dtype == v_scales.dtype == torch.float16 and k_scales.is_contiguous()
+                             and v_scales.is_contiguous() and k_scales.shape == (*k_cache.shape[:3], 2))
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,

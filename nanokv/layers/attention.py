@@ -15,9 +15,13 @@ class Attention(nn.Module):
         # Set by the model runner once the pool is sized: [num_blocks, block_size, Hkv, D] each.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # a quantized cache's (scale, zero) pairs, [num_blocks, block_size, Hkv, 2] float16 each; None otherwise
+        self.k_scales: torch.Tensor | None = None
+        self.v_scales: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         # q [T, Hq, D]; k, v [T, Hkv, D] -> [T, Hq, D]
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
+                                    self.k_scales, self.v_scales)

@@ -8,6 +8,7 @@ import os
 import torch
 
 from nanokv import kernels
+from nanokv.attention.base import PARAM_DTYPE
 
 from nanokv.config import EngineConfig
 
@@ -16,9 +17,24 @@ logger = logging.getLogger("nanokv")
 _CPU_DEFAULT_BUDGET = 4 << 30  # bytes; capped at half the RAM available at start-up
 
 
+SCALE_DTYPE = PARAM_DTYPE  # a quantized cache's (scale, zero) per (token, KV head): float16
+
+
+def cache_dtype(config: EngineConfig) -> torch.dtype:
+    """The element type of the K/V pages: the model's dtype, or int8 / float8 e4m3."""
+    return {"auto": config.dtype, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[config.kv_cache_dtype]
+
+
+def bytes_per_token(config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    """K and V of one token over all layers (this rank's heads), scales included:
+    2 * layers * Hkv * (D * element + 4) bytes for a quantized cache (float16 scale and zero)."""
+    elem = torch.empty(0, dtype=cache_dtype(config)).element_size()
+    scale = 0 if config.kv_cache_dtype == "auto" else 2 * torch.empty(0, dtype=SCALE_DTYPE).element_size()
+    return 2 * num_layers * num_kv_heads * (head_dim * elem + scale)
+
+
 def bytes_per_block(config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-    elem = torch.empty(0, dtype=config.dtype).element_size()
-    return 2 * num_layers * config.block_size * num_kv_heads * head_dim * elem
+    return config.block_size * bytes_per_token(config, num_layers, num_kv_heads, head_dim)
 
 
 def available_cpu_memory() -> int:
@@ -79,15 +95,23 @@ def num_kv_blocks(config: EngineConfig, block_bytes: int, activation_bytes: int 
 
 
 def allocate_kv_cache(config: EngineConfig, num_blocks: int, num_layers: int, num_kv_heads: int,
-                      head_dim: int, log: bool = True) -> torch.Tensor:
-    """One tensor [layers, 2 (K, V), num_blocks, block_size, Hkv, D]; layers take views.
+                      head_dim: int, log: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(pages, scales): pages [layers, 2 (K, V), num_blocks, block_size, Hkv, D] in
+    cache_dtype; a quantized cache's (scale, zero) pairs [layers, 2, num_blocks, block_size,
+    Hkv, 2] float16 (None for kv_cache_dtype 'auto'), indexed by the same block and slot, so
+    a block id names both and a cached block is self-contained. Layers take views.
 
     Zeroed: masked-out keys of a gathered page must hold finite values (0 * NaN is NaN)."""
-    cache = torch.empty(num_layers, 2, num_blocks, config.block_size, num_kv_heads, head_dim,
-                        dtype=config.dtype, device=config.device)
+    shape = (num_layers, 2, num_blocks, config.block_size, num_kv_heads)
+    cache = torch.empty(*shape, head_dim, dtype=cache_dtype(config), device=config.device)
     kernels.huge_pages(cache).zero_()  # advised before the first touch
+    scales = None
+    if config.kv_cache_dtype != "auto":
+        scales = kernels.huge_pages(torch.empty(*shape, 2, dtype=SCALE_DTYPE, device=config.device)).zero_()
     if log:
-        gib = cache.numel() * cache.element_size() / (1 << 30)
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB", num_blocks,
-                    config.block_size, num_blocks * config.block_size, gib)
-    return cache
+        nbytes = cache.numel() * cache.element_size() + (0 if scales is None else scales.numel() * scales.element_size())
+        per_token = bytes_per_token(config, num_layers, num_kv_heads, head_dim)
+        logger.info("KV cache (%s): %d blocks x %d tokens = %d tokens, %.2f GiB; %d bytes per token, "
+                    "%d tokens per GiB", config.kv_cache_dtype, num_blocks, config.block_size,
+                    num_blocks * config.block_size, nbytes / (1 << 30), per_token, (1 << 30) // per_token)
+    return cache, scales

@@ -19,7 +19,7 @@ from nanokv.loader import build_model
 from nanokv.models import get_model_class
 from nanokv.runner.cuda_graph import DecodeGraphs
 from nanokv.runner.inputs import PackedStep, StepInputs, StepPacker, unpack_step
-from nanokv.runner.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
+from nanokv.runner.kv_cache import allocate_kv_cache, bytes_per_block, bytes_per_token, num_kv_blocks
 from nanokv.sampling_params import SAMPLING_EPS, SamplingParams
 
 logger = logging.getLogger("nanokv")
@@ -70,8 +70,10 @@ class ModelRunner:
         activation_bytes = self._profile_activation_bytes(self.use_graphs) if config.device.type == "cuda" else 0
         self.max_num_blocks = num_kv_blocks(config, bytes_per_block(config, *self.kv_shape), activation_bytes,
                                             weight_bytes)
+        self.kv_bytes_per_token = bytes_per_token(config, *self.kv_shape)  # this rank's shard, scales included
         self.num_blocks = 0
-        self.kv_cache: torch.Tensor | None = None
+        self.kv_cache: torch.Tensor | None = None  # [layers, 2, blocks, block_size, Hkv, D] pages
+        self.kv_scales: torch.Tensor | None = None  # [layers, 2, blocks, block_size, Hkv, 2] (scale, zero)
         self.graphs = None
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -86,19 +88,20 @@ class ModelRunner:
         assert 0 < num_blocks <= self.max_num_blocks
         self.num_blocks = num_blocks
         # one block more than the block manager hands out: the scratch block of padding rows
-        self._set_kv_cache(allocate_kv_cache(self.config, num_blocks + 1, *self.kv_shape))
+        self._set_kv_cache(*allocate_kv_cache(self.config, num_blocks + 1, *self.kv_shape))
         first = self.attn_layers[0]  # this rank's heads
         self.backend.warm_up(first.num_heads, first.num_kv_heads, first.head_dim, self.config.dtype, self.device,
-                             self.block_size, self.config.max_model_len)
+                             self.block_size, self.config.max_model_len, self.kv_cache.dtype)
         if self.use_graphs:
             cfg = self.config
             self.graphs = DecodeGraphs(self.model, self.backend, self.block_size, cfg.max_num_seqs,
                                        cfg.max_model_len, num_blocks, cfg.device)
 
-    def _set_kv_cache(self, cache: torch.Tensor) -> None:
-        self.kv_cache = cache
+    def _set_kv_cache(self, cache: torch.Tensor, scales: torch.Tensor | None) -> None:
+        self.kv_cache, self.kv_scales = cache, scales
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = cache[i, 0], cache[i, 1]
+            layer.k_scales, layer.v_scales = (None, None) if scales is None else (scales[i, 0], scales[i, 1])
 
     @torch.inference_mode()
     def _profile_activation_bytes(self, with_graphs: bool) -> int:
@@ -109,7 +112,7 @@ class ModelRunner:
         seq_len = min(cfg.max_model_len - 1, cfg.max_num_batched_tokens)
         num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens // seq_len))
         per_seq = -(-seq_len // bs)
-        self._set_kv_cache(allocate_kv_cache(cfg, num_seqs * per_seq, *self.kv_shape, log=False))
+        self._set_kv_cache(*allocate_kv_cache(cfg, num_seqs * per_seq, *self.kv_shape, log=False))
         batch = ScheduledBatch()
         params = SamplingParams(temperature=0)
         for i in range(num_seqs):
@@ -129,9 +132,10 @@ class ModelRunner:
         del hidden, logits
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
-        self.kv_cache = None  # release the profiling pool before sizing the real one
+        self.kv_cache = self.kv_scales = None  # release the profiling pool before sizing the real one
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
+            layer.k_scales = layer.v_scales = None
         torch.cuda.empty_cache()
         # graphs keep one decode-sized activation set: small next to a prefill peak
         graph_bytes = peak * cfg.max_num_seqs // max(cfg.max_num_batched_tokens, 1) if with_graphs else 0

@@ -13,6 +13,13 @@ with its KV cache and attention, and the logits of every position are kept (the 
 generate() samples only the last one). Both engines run in one process, window by window,
 so that no distribution is stored.
 
+A quantized KV cache (kv_cache_dtype='int8') is measured through its pages: every
+attention backend writes a step's K/V into the cache first and then attends over the
+cache, so in a window's prefill each query reads every earlier token's K/V (and its own)
+back from the int8 pages, as a decode step would (tests/attention/test_kv_int8.py checks
+that the logits differ from the float32 cache's). The reference for such a variant is
+the same weights with the full-precision cache (bench.py --accuracy --kv-cache-dtype).
+
     from nanokv.testing.accuracy import compare_engines
     report = compare_engines("smollm2", dict(), dict(quantization="int8"))
 
@@ -136,6 +143,13 @@ def compare_perplexity(reference, candidate, windows: list[list[int]]) -> Perple
     return PerplexityReport(count, ppl_ref, ppl, 100 * (ppl / ppl_ref - 1), kl / count, agree / count)
 
 
+# A greedy divergence is a near-tie when, at the first differing token, the candidate's
+# choice is within this many nats of the reference's in the reference's own distribution
+# (same prefix up to there): the two were all but equally likely, and any rounding flips it.
+NEAR_TIE_NATS = 0.1
+_TOP = 5  # reference logprobs kept per token, to find the candidate's choice among them
+
+
 @dataclass(frozen=True)
 class GreedyReport:
     prompts: int
@@ -143,24 +157,37 @@ class GreedyReport:
     identical: int  # prompts whose greedy outputs are the same, token for token
     prefix_fraction: float  # mean share of the reference's tokens before the first difference
     token_agreement: float  # share of positions with the same token (after a difference too)
+    near_ties: int = 0  # of the prompts that differ, those whose first difference is a near-tie
+    first_divergences: tuple = ()  # per differing prompt: (prompt index, token index, reference margin in nats)
 
 
 def compare_greedy(reference, candidate, prompts: list[str] = CHAT_PROMPTS, max_tokens: int = 64) -> GreedyReport:
     """Greedy chat replies of both engines (each prompt one user turn, EOS honoured)."""
     from nanokv import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
     conversations = [[{"role": "user", "content": p}] for p in prompts]
-    ref = [o.outputs[0].token_ids for o in reference.chat(conversations, params, use_tqdm=False)]
+    ref_out = [o.outputs[0] for o in reference.chat(
+        conversations, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=_TOP), use_tqdm=False)]
+    ref = [o.token_ids for o in ref_out]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
     got = [o.outputs[0].token_ids for o in candidate.chat(conversations, params, use_tqdm=False)]
     identical = sum(a == b for a, b in zip(ref, got))
     prefix = same = total = 0.0
-    for a, b in zip(ref, got):
+    divergences = []
+    for n, (a, b, out) in enumerate(zip(ref, got, ref_out)):
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         prefix += (first if a != b else len(a)) / max(len(a), 1)
         same += sum(x == y for x, y in zip(a, b))
         total += max(len(a), len(b))
-    return GreedyReport(len(prompts), max_tokens, identical, prefix / len(prompts), same / max(total, 1))
+        if a != b:
+            margin = float("inf")  # one reply stopped early (EOS), or the candidate's token is not in the top
+            if first < len(a) and first < len(b) and b[first] in out.logprobs[first]:
+                top = out.logprobs[first]
+                margin = top[a[first]].logprob - top[b[first]].logprob
+            divergences.append((n, first, margin))
+    near = sum(m < NEAR_TIE_NATS for _, _, m in divergences)
+    return GreedyReport(len(prompts), max_tokens, identical, prefix / len(prompts), same / max(total, 1), near,
+                        tuple(divergences))
 
 
 def scoring_engine(model: str, **kwargs):

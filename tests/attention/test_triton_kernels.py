@@ -227,11 +227,18 @@ def build(fn, types, constexprs):
     triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))
 
 f32 = "*fp32"
-build(tk._paged_attention_kernel,
-      dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16", part_m_ptr=f32,
-           part_l_ptr=f32, part_acc_ptr=f32, block_tables_ptr="*i32", query_start_loc_ptr="*i32",
-           seq_lens_ptr="*i32", scale_log2="fp32"),
-      dict(HEAD_DIM=80, D_PAD=128, GROUP=3, BLOCK_Q=5, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=4, PRECISION="ieee"))
+for kv, quantized in (("*bf16", False), ("*i8", True), ("*fp8e4nv", True)):  # pages: bf16, int8, e4m3
+    build(tk._paged_attention_kernel,
+          dict(q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, out_ptr="*bf16", part_m_ptr=f32,
+               part_l_ptr=f32, part_acc_ptr=f32, block_tables_ptr="*i32", query_start_loc_ptr="*i32",
+               seq_lens_ptr="*i32", k_scale_ptr="*fp16", v_scale_ptr="*fp16", scale_log2="fp32"),
+          dict(HEAD_DIM=80, D_PAD=128, GROUP=3, BLOCK_Q=5, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=4, PRECISION="ieee",
+               QUANTIZED=quantized))
+    if quantized:
+        build(tk._quantize_and_cache_kernel,
+              dict(k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, k_scale_ptr="*fp16", v_scale_ptr="*fp16",
+                   slot_ptr="*i64"),
+              dict(HEAD_DIM=80, D_PAD=128, QMAX=127.0 if kv == "*i8" else 448.0, BLOCK_T=16))
 build(tk._merge_splits_kernel, dict(part_m_ptr=f32, part_l_ptr=f32, part_acc_ptr=f32, out_ptr="*bf16"),
       dict(HEAD_DIM=80, D_PAD=128, NUM_SPLITS=4, S_PAD=4))
 build(tk._reshape_and_cache_kernel,

@@ -57,3 +57,18 @@ def test_comparisons(model_dir):
     assert int8.mean_kl > 0 and int8.ppl != int8.ppl_reference and 0 < int8.top1_agreement <= 1
     greedy = accuracy.compare_greedy(reference, reference, accuracy.CHAT_PROMPTS[:3], max_tokens=8)
     assert (greedy.identical, greedy.prefix_fraction, greedy.token_agreement) == (3, 1.0, 1.0)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C compiler: CPU kernels not built")
+def test_greedy_divergences_name_their_margin(model_dir):
+    """An int8 KV cache against the float32 one: every differing prompt is listed with the
+    token where it first differs and the reference's margin there; near-ties are those
+    under NEAR_TIE_NATS."""
+    reference = accuracy.scoring_engine(model_dir, max_model_len=256)
+    candidate = accuracy.scoring_engine(model_dir, max_model_len=256, kv_cache_dtype="int8")
+    report = accuracy.compare_greedy(reference, candidate, accuracy.CHAT_PROMPTS[:8], max_tokens=16)
+    assert len(report.first_divergences) == report.prompts - report.identical
+    assert report.near_ties == sum(m < accuracy.NEAR_TIE_NATS for _, _, m in report.first_divergences)
+    assert all(0 <= i < 16 and m >= 0 for _, i, m in report.first_divergences)
+    same = accuracy.compare_greedy(reference, reference, accuracy.CHAT_PROMPTS[:2], max_tokens=8)
+    assert (same.near_ties, same.first_divergences) == (0, ())
