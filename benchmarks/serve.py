@@ -542,6 +542,9 @@ def run_one(engine: Engine, workload: str, sessions: list[Session], load: Load, 
                 "nanokv:prefix_cache_queries_total", 0)
             hits = after.get("nanokv:prefix_cache_hits_total", 0) - before.get("nanokv:prefix_cache_hits_total", 0)
             total = peak["total_blocks"] or int(after.get("nanokv:kv_cache_total_blocks", 0))
+            # a run shorter than the poll interval is seen by the server's own peak gauge (a
+            # fresh server: its peak is this run's, or the one-request warm-up's if larger)
+            peak["used_blocks"] = max(peak["used_blocks"], int(after.get("nanokv:kv_cache_peak_used_blocks", 0)))
             row["nanokv"] = dict(prefix_cache_hit_rate=round(hits / queries, 4) if queries else None,
                                  prefix_cache_hit_tokens=int(hits), prefix_cache_query_tokens=int(queries),
                                  peak_kv_used_blocks=peak["used_blocks"], kv_total_blocks=total,

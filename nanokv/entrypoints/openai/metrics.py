@@ -108,6 +108,8 @@ class _EngineCollector:
         yield gauge("nanokv:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)", kv.usage)
         yield gauge("nanokv:kv_cache_used_blocks", "KV cache blocks in use", kv.used_blocks)
         yield gauge("nanokv:kv_cache_total_blocks", "KV cache blocks in the pool", kv.num_blocks)
+        yield gauge("nanokv:kv_cache_peak_used_blocks", "The most KV cache blocks in use at once since the "
+                    "server started", kv.peak_used_blocks)
         yield gauge("nanokv:kv_cache_fragmentation_tokens", "Allocated but unfilled KV slots (the tails of "
                     "running sequences' last blocks)", kv.fragmentation_tokens)
         yield counter("nanokv:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
