@@ -606,8 +606,18 @@ static inline float row_sum(const float *x, long D) {
     return hsum(a);
 }
 
-typedef int8_t vq8 __attribute__((vector_size(VW), aligned(1)));
 typedef int8_t v8q8 __attribute__((vector_size(8), aligned(1)));
+
+/* 8 int8 values at p widened to float32. GCC 12 scalarizes __builtin_convertvector from
+ * int8 (a movsx and a cvtsi2ss per value, measured 3x slower than the float32 cache), so
+ * the AVX2 sign extension is spelled out. */
+static inline __attribute__((always_inline)) v8 widen8(const char *p) {
+#if defined(__AVX2__) && !defined(NK_PORTABLE)
+    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    return __builtin_convertvector(*(const v8q8 *)p, v8);
+#endif
+}
 
 /* the first n values at byte address p (n >= 8, a multiple of 8), widened to float32, zero
  * past them */
@@ -615,18 +625,21 @@ static inline __attribute__((always_inline)) vf load_kv(const char *p, long n, c
     if (!Q8) return loadv_part((const float *)p, n);
 #if VW == 8
     (void)n;
-    return __builtin_convertvector(*(const vq8 *)p, vf);
+    return widen8(p);
 #else
-    if (n >= VW) return __builtin_convertvector(*(const vq8 *)p, vf);
-    v8 lo = __builtin_convertvector(*(const v8q8 *)p, v8);
+#if defined(__AVX512F__) && !defined(NK_PORTABLE)
+    if (n >= VW) return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#else
+    if (n >= VW) {
+        v8 lo = widen8(p), hi = widen8(p + 8);
+        return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    }
+#endif
+    v8 lo = widen8(p);
     vf v = {};
     memcpy(&v, &lo, 32);
     return v;
 #endif
-}
-
-static inline __attribute__((always_inline)) float load_kv1(const char *p, const int Q8) {
-    return Q8 ? (float)*(const int8_t *)p : *(const float *)p;
 }
 
 /* Pages sit anywhere in the pool, so the hardware prefetcher cannot guess the next one:
@@ -637,14 +650,26 @@ static inline void prefetch_page(const char *page, long bytes) {
     for (long i = 0; i < bytes; i += 64) __builtin_prefetch(page + i, 0, 3);
 }
 
+/* Rows [0, n) of an int8 page (rows rb bytes apart), heads [h0, h1), widened into wide
+ * (float32, (h1 - h0) * D a row). */
+static inline void widen_page(const char *page, long n, long rb, long h0, long h1, long D, float *wide) {
+    const long w = (h1 - h0) * D;
+    for (long t = 0; t < n; t++) {
+        const char *src = page + t * rb + h0 * D;
+        for (long i = 0; i < w; i += 8) store8(wide + t * w + i, widen8(src + i));
+    }
+}
+
 /* Scores of query heads [h0 * G, h1 * G) against the first L cached keys:
  * s[(h - h0) * G + g][t] = scale * q[h * G + g] . k_t[h] (k_t[h] = k_int8 * scale + zero when Q8).
  * Pages are read whole and in order (KV heads h0..h1 of a row are adjacent); the next
- * page is prefetched meanwhile. */
+ * page is prefetched meanwhile. An int8 page is first widened into wide (widen_page, in
+ * L1), so the G query heads of a KV head share one widening of each key. */
 static inline __attribute__((always_inline)) void scores_g(
         const float *q, long G, long D, long h0, long h1, const void *kc, const nk_half *ks,
-        const int32_t *table, long L, long bs, long row_stride, float scale, float *s, const int Q8) {
+        const int32_t *table, long L, long bs, long row_stride, float scale, float *s, float *wide, const int Q8) {
     const long E = KV_ELEM(Q8), Hkv = row_stride / D, rb = row_stride * E; /* rb: bytes per cache row */
+    const long ws = Q8 ? (h1 - h0) * D : row_stride, hb = Q8 ? h0 : 0; /* floats per row read; its first head */
     float qs[Q8 ? (h1 - h0) * G : 1]; /* sum of each query row, for the keys' zeros */
     for (long r = 0; Q8 && r < (h1 - h0) * G; r++) qs[r] = scale * row_sum(q + (h0 * G + r) * D, D);
     for (long t0 = 0; t0 < L; t0 += bs) {
@@ -652,13 +677,18 @@ static inline __attribute__((always_inline)) void scores_g(
         const nk_half *sc = Q8 ? ks + (long)table[t0 / bs] * bs * Hkv * 2 : 0; /* the page's pairs */
         long n = L - t0 < bs ? L - t0 : bs;
         const char *next = t0 + bs < L ? (const char *)kc + (long)table[t0 / bs + 1] * bs * rb : 0;
+        const float *rows = (const float *)page;
+        if (Q8) {
+            widen_page(page, n, rb, h0, h1, D, wide);
+            rows = wide;
+        }
         long t = 0;
         for (; t + 4 <= n; t += 4) {
-            const char *r0 = page + t * rb;
+            const float *r0 = rows + t * ws;
             long iters = (h1 - h0) * G, share = (4 * rb + 64 * iters - 1) / (64 * iters) * 64, done = 0;
             for (long h = h0; h < h1; h++) {
-                const char *k0 = r0 + h * D * E, *k1 = k0 + rb;
-                const char *k2 = k1 + rb, *k3 = k2 + rb;
+                const float *k0 = r0 + (h - hb) * D, *k1 = k0 + ws;
+                const float *k2 = k1 + ws, *k3 = k2 + ws;
                 for (long g = 0; g < G; g++) {
                     if (next && done < 4 * rb) { /* this iteration's share of the next page */
                         long len = 4 * rb - done < share ? 4 * rb - done : share;
@@ -669,10 +699,10 @@ static inline __attribute__((always_inline)) void scores_g(
                     vf a0 = splat(0), a1 = splat(0), a2 = splat(0), a3 = splat(0);
                     for (long d = 0; d < D; d += VW) {
                         vf qv = loadv_part(qg + d, D - d);
-                        a0 += qv * load_kv(k0 + d * E, D - d, Q8);
-                        a1 += qv * load_kv(k1 + d * E, D - d, Q8);
-                        a2 += qv * load_kv(k2 + d * E, D - d, Q8);
-                        a3 += qv * load_kv(k3 + d * E, D - d, Q8);
+                        a0 += qv * loadv_part(k0 + d, D - d);
+                        a1 += qv * loadv_part(k1 + d, D - d);
+                        a2 += qv * loadv_part(k2 + d, D - d);
+                        a3 += qv * loadv_part(k3 + d, D - d);
                     }
                     float *sg = s + ((h - h0) * G + g) * L + t0 + t;
                     if (Q8) {
@@ -693,13 +723,13 @@ static inline __attribute__((always_inline)) void scores_g(
         }
         for (; t < n; t++) {
             for (long h = h0; h < h1; h++) {
-                const char *k0 = page + t * rb + h * D * E;
+                const float *k0 = rows + t * ws + (h - hb) * D;
                 float f = Q8 ? scale * (float)sc[(t * Hkv + h) * 2] : scale;
                 float z = Q8 ? (float)sc[(t * Hkv + h) * 2 + 1] : 0;
                 for (long g = 0; g < G; g++) {
                     vf a0 = splat(0);
                     for (long d = 0; d < D; d += VW)
-                        a0 += loadv_part(q + (h * G + g) * D + d, D - d) * load_kv(k0 + d * E, D - d, Q8);
+                        a0 += loadv_part(q + (h * G + g) * D + d, D - d) * loadv_part(k0 + d, D - d);
                     s[((h - h0) * G + g) * L + t0 + t] = Q8 ? hsum(a0) * f + z * qs[(h - h0) * G + g] : hsum(a0) * f;
                 }
             }
@@ -709,11 +739,12 @@ static inline __attribute__((always_inline)) void scores_g(
 
 /* acc[(h - h0) * G + g] = sum_t p[(h - h0) * G + g][t] v_t[h] (v_t[h] = v_int8 * scale + zero
  * when Q8); a page (in L1 after its first pass) is read once from memory, the next one
- * prefetched meanwhile. */
+ * prefetched meanwhile; an int8 page is widened first, as in scores_g. */
 static inline __attribute__((always_inline)) void weighted_values_g(
         const float *s, long G, long D, long h0, long h1, const void *vc, const nk_half *vs,
-        const int32_t *table, long L, long bs, long row_stride, float *acc, const int Q8) {
+        const int32_t *table, long L, long bs, long row_stride, float *acc, float *wide, const int Q8) {
     const long E = KV_ELEM(Q8), Hkv = row_stride / D, rb = row_stride * E;
+    const long ws = Q8 ? (h1 - h0) * D : row_stride, hb = Q8 ? h0 : 0;
     long rows = (h1 - h0) * G;
     float zs[Q8 ? rows : 1]; /* sum_t p_t zero_t of each row: added to all its dims at the end */
     if (Q8) memset(zs, 0, sizeof(float) * rows);
@@ -722,6 +753,11 @@ static inline __attribute__((always_inline)) void weighted_values_g(
         const char *page = (const char *)vc + (long)table[t0 / bs] * bs * rb;
         long n = L - t0 < bs ? L - t0 : bs;
         const char *next = t0 + bs < L ? (const char *)vc + (long)table[t0 / bs + 1] * bs * rb : 0;
+        const float *vals = (const float *)page;
+        if (Q8) {
+            widen_page(page, n, rb, h0, h1, D, wide);
+            vals = wide;
+        }
         for (long r = 0; r < rows; r++) {
             /* this row's share of the next page, a line per value row read */
             const char *pf = 0, *pf_end = 0;
@@ -733,7 +769,7 @@ static inline __attribute__((always_inline)) void weighted_values_g(
             const float *sg = s + r * L + t0;
             const nk_half *sc = Q8 ? vs + ((long)table[t0 / bs] * bs * Hkv + h0 + r / G) * 2 : 0; /* stride 2 Hkv */
             for (long j = 0; Q8 && j < n; j++) zs[r] += sg[j] * (float)sc[j * Hkv * 2 + 1];
-            const char *vh = page + (h0 + r / G) * D * E;
+            const float *vh = vals + (h0 + r / G - hb) * D;
             float *ag = acc + r * D;
             for (long d0 = 0; d0 < D; d0 += 4 * VW) { /* up to 4 accumulators in registers over the page */
                 long w = D - d0 < 4 * VW ? D - d0 : 4 * VW;
@@ -741,16 +777,16 @@ static inline __attribute__((always_inline)) void weighted_values_g(
                 vf a2 = w > 2 * VW ? loadv_part(ag + d0 + 2 * VW, w - 2 * VW) : splat(0);
                 vf a3 = w > 3 * VW ? loadv_part(ag + d0 + 3 * VW, w - 3 * VW) : splat(0);
                 for (long j = 0; j < n; j++) {
-                    const char *vr = vh + (j * row_stride + d0) * E;
+                    const float *vr = vh + j * ws + d0;
                     if (pf < pf_end) {
                         __builtin_prefetch(pf, 0, 3);
                         pf += 64;
                     }
                     vf p = splat(Q8 ? sg[j] * (float)sc[j * Hkv * 2] : sg[j]);
-                    a0 += p * load_kv(vr, w, Q8);
-                    if (w > VW) a1 += p * load_kv(vr + VW * E, w - VW, Q8);
-                    if (w > 2 * VW) a2 += p * load_kv(vr + 2 * VW * E, w - 2 * VW, Q8);
-                    if (w > 3 * VW) a3 += p * load_kv(vr + 3 * VW * E, w - 3 * VW, Q8);
+                    a0 += p * loadv_part(vr, w);
+                    if (w > VW) a1 += p * loadv_part(vr + VW, w - VW);
+                    if (w > 2 * VW) a2 += p * loadv_part(vr + 2 * VW, w - 2 * VW);
+                    if (w > 3 * VW) a3 += p * loadv_part(vr + 3 * VW, w - 3 * VW);
                 }
                 storev_part(ag + d0, a0, w);
                 if (w > VW) storev_part(ag + d0 + VW, a1, w - VW);
@@ -847,14 +883,13 @@ static void pack_rows(const float *const *qr, long R, long D, float *qt) {
     default: call(6); break;                                                                \
     }
 
-/* st[t][r] = scale * k_t . q_r for NB keys t (rows at row_stride values) and the 16 rows of
- * panel w; when Q8 k_t = k_int8 * scale + zero, the pair at ksc + t * kss, and qsum the
- * panel's 16 row sums (times scale) */
-static inline __attribute__((always_inline)) void score_block(const char *keys, long row_stride, long D,
+/* st[t][r] = scale * k_t . q_r for NB keys t (float32 rows, row_stride floats apart) and the
+ * 16 rows of panel w; when Q8 the keys are the widened k_int8 (k_t = k_int8 * scale + zero,
+ * the pair at ksc + t * kss) and qsum the panel's 16 row sums (times scale) */
+static inline __attribute__((always_inline)) void score_block(const float *keys, long row_stride, long D,
                                                               const float *w, float scale, const nk_half *ksc,
                                                               long kss, const float *qsum, float *o, long Rp,
                                                               const int NB, const int Q8) {
-    const long E = KV_ELEM(Q8);
     vf a[KB][NV];
     for (int i = 0; i < NB; i++)
         for (int v = 0; v < NV; v++) a[i][v] = splat(0);
@@ -862,7 +897,7 @@ static inline __attribute__((always_inline)) void score_block(const char *keys, 
         vf wv[NV];
         for (int v = 0; v < NV; v++) wv[v] = loadv(w + d * 16 + v * VW);
         for (int i = 0; i < NB; i++) {
-            vf b = splat(load_kv1(keys + (i * row_stride + d) * E, Q8));
+            vf b = splat(keys[i * row_stride + d]);
             for (int v = 0; v < NV; v++) a[i][v] += b * wv[v];
         }
     }
@@ -878,53 +913,72 @@ static inline __attribute__((always_inline)) void score_block(const char *keys, 
 }
 
 /* st[t][r] = scale * k_t . q_r for the n keys of one page, r < Rp (ksc: the page's first
- * key's (scale, zero), stride kss; qsum: the Rp row sums times scale) */
+ * key's (scale, zero), stride kss; qsum: the Rp row sums times scale). int8 keys are
+ * widened a block of KB at a time into kf, in L1, and every panel reads them from there
+ * (widening in the inner loop costs a convert per broadcast). */
 static inline __attribute__((always_inline)) void page_scores(const char *keys, long n, long row_stride, long D,
                                                               const float *qt, long Rp, float scale,
                                                               const nk_half *ksc, long kss, const float *qsum,
                                                               float *st, const int Q8) {
-    const long E = KV_ELEM(Q8);
-    for (long p = 0; p < Rp / 16; p++)
-        for (long t = 0; t < n; t += KB) {
-#define SCORE_BLOCK(NB) score_block(keys + t * row_stride * E, row_stride, D, qt + p * D * 16, scale, \
-                                    Q8 ? ksc + t * kss : 0, kss, qsum + p * 16, st + t * Rp + p * 16, Rp, NB, Q8)
+    float kf[Q8 ? KB * D : 1];
+    for (long t = 0; t < n; t += KB) {
+        const float *kb = (const float *)keys + t * row_stride;
+        long ks = row_stride;
+        if (Q8) {
+            for (long i = 0; i < KB && t + i < n; i++)
+                for (long d = 0; d < D; d += 8) store8(kf + i * D + d, widen8(keys + (t + i) * row_stride + d));
+            kb = kf, ks = D;
+        }
+        for (long p = 0; p < Rp / 16; p++) {
+#define SCORE_BLOCK(NB) score_block(kb, ks, D, qt + p * D * 16, scale, Q8 ? ksc + t * kss : 0, kss, qsum + p * 16, \
+                                    st + t * Rp + p * 16, Rp, NB, Q8)
             SPECIALIZE(n - t, SCORE_BLOCK)
 #undef SCORE_BLOCK
         }
+    }
 }
 
 /* out rows 0..NB-1 (orow), dims [d0, d0 + DIMS) (16, or 8 at the end of an odd head), += P V
- * over the page's nk keys (p: P^T at the page's first key and the block's first row, stride
- * Rp; vsc: the page's first value's (scale, zero), stride vss, when Q8); the first page
- * starts from zero. DIMS is a constant, so each case compiles alone. */
-static inline __attribute__((always_inline)) void value_block(const float *p, long Rp, const char *page, long nk,
-                                                              long row_stride, const nk_half *vsc, long vss,
-                                                              float *const *orow, int first, long d0,
-                                                              const int DIMS, const int NB, const int Q8) {
+ * over nk float32 value rows (row_stride floats apart; p: P^T at the first of them and the
+ * block's first row, stride Rp); first: start from zero. DIMS is a constant, so each case
+ * compiles alone. */
+static inline __attribute__((always_inline)) void value_block(const float *p, long Rp, const float *vals, long nk,
+                                                              long row_stride, float *const *orow, int first,
+                                                              long d0, const int DIMS, const int NB) {
     const int VECS = (DIMS + VW - 1) / VW; /* vectors over the dims, the last one perhaps half used */
-    const long E = KV_ELEM(Q8);
     vf a[KB][NV];
     for (int i = 0; i < NB; i++)
         for (int v = 0; v < VECS; v++) a[i][v] = first ? splat(0) : loadv_part(orow[i] + d0 + v * VW, DIMS - v * VW);
-    float zs[KB] = {0}; /* sum_j p_j zero_j of each row */
     for (long j = 0; j < nk; j++) {
-        const char *vr = page + (j * row_stride + d0) * E;
+        const float *vr = vals + j * row_stride + d0;
         const float *pj = p + j * Rp;
-        float f = Q8 ? (float)vsc[j * vss] : 1.0f;
-        if (Q8) {
-            float z = (float)vsc[j * vss + 1];
-            for (int i = 0; i < NB; i++) zs[i] += pj[i] * z;
-        }
         vf wv[NV];
-        for (int v = 0; v < VECS; v++) wv[v] = load_kv(vr + v * VW * E, DIMS - v * VW, Q8);
+        for (int v = 0; v < VECS; v++) wv[v] = loadv_part(vr + v * VW, DIMS - v * VW);
         for (int i = 0; i < NB; i++) {
-            vf b = splat(Q8 ? pj[i] * f : pj[i]);
+            vf b = splat(pj[i]);
             for (int v = 0; v < VECS; v++) a[i][v] += b * wv[v];
         }
     }
     for (int i = 0; i < NB; i++)
-        for (int v = 0; v < VECS; v++)
-            storev_part(orow[i] + d0 + v * VW, Q8 ? a[i][v] + splat(zs[i]) : a[i][v], DIMS - v * VW);
+        for (int v = 0; v < VECS; v++) storev_part(orow[i] + d0 + v * VW, a[i][v], DIMS - v * VW);
+}
+
+/* out rows [0, R) += P V over nk value rows (float32, row_stride floats apart), p: P^T at the
+ * first of them, stride Rp */
+static void values_rows(const float *p, long Rp, long R, const float *vals, long nk, long row_stride,
+                        float *const *orow, int first, long D) {
+    for (long r0 = 0; r0 < R; r0 += KB)
+        for (long d0 = 0; d0 < D; d0 += 16) {
+#define VALUE_BLOCK_16(NB) value_block(p + r0, Rp, vals, nk, row_stride, orow + r0, first, d0, 16, NB)
+#define VALUE_BLOCK_8(NB) value_block(p + r0, Rp, vals, nk, row_stride, orow + r0, first, d0, 8, NB)
+            if (D - d0 >= 16) {
+                SPECIALIZE(R - r0, VALUE_BLOCK_16)
+            } else {
+                SPECIALIZE(R - r0, VALUE_BLOCK_8)
+            }
+#undef VALUE_BLOCK_16
+#undef VALUE_BLOCK_8
+        }
 }
 
 /* one prefill tile (queries t0..t0+n-1, contexts c0..c0+n-1) against KV head h;
@@ -970,28 +1024,40 @@ static inline __attribute__((always_inline)) void attend_tile_g(
         }
         for (int i = 0; i < VW && r0 + i < R; i++) inv[r0 + i] = 1.0f / sum[i];
     }
-    /* O = P V, a page at a time; the sums go back to the output rows between pages */
+    /* O = P V, a page at a time; the sums go back to the output rows between pages. int8
+     * values: VCHUNK rows at a time are widened into vf (in L1) and their P^T rows scaled by
+     * the values' scales, each row's sum_t p_t zero_t kept in zs and added to every dim at
+     * the end: the value blocks then run as on float32 pages. */
+    enum { VCHUNK = 16 };
+    float vf_[Q8 ? VCHUNK * D : 1], zs[TILE_ROWS] = {0};
     for (long k0 = 0; k0 < L; k0 += bs) {
         long first = (long)table[k0 / bs] * bs;
         const char *page = (const char *)vc + (first * row_stride + h * D) * E;
-        const nk_half *vsc = Q8 ? vs + (first * Hkv + h) * 2 : 0;
         long nk = L - k0 < bs ? L - k0 : bs;
-        for (long r0 = 0; r0 < R; r0 += KB)
-            for (long d0 = 0; d0 < D; d0 += 16) {
-#define VALUE_BLOCK_16(NB) value_block(s + k0 * Rp + r0, Rp, page, nk, row_stride, vsc, 2 * Hkv, orow + r0, k0 == 0, d0, 16, NB, Q8)
-#define VALUE_BLOCK_8(NB) value_block(s + k0 * Rp + r0, Rp, page, nk, row_stride, vsc, 2 * Hkv, orow + r0, k0 == 0, d0, 8, NB, Q8)
-                if (D - d0 >= 16) {
-                    SPECIALIZE(R - r0, VALUE_BLOCK_16)
-                } else {
-                    SPECIALIZE(R - r0, VALUE_BLOCK_8)
+        if (!Q8) {
+            values_rows(s + k0 * Rp, Rp, R, (const float *)page, nk, row_stride, orow, k0 == 0, D);
+            continue;
+        }
+        const nk_half *vsc = vs + (first * Hkv + h) * 2;
+        for (long j0 = 0; j0 < nk; j0 += VCHUNK) {
+            long c = nk - j0 < VCHUNK ? nk - j0 : VCHUNK;
+            for (long j = 0; j < c; j++) {
+                const char *vr = page + (j0 + j) * row_stride;
+                for (long d = 0; d < D; d += 8) store8(vf_ + j * D + d, widen8(vr + d));
+                float *pj = s + (k0 + j0 + j) * Rp;
+                vf f = splat((float)vsc[(j0 + j) * 2 * Hkv]), z = splat((float)vsc[(j0 + j) * 2 * Hkv + 1]);
+                for (long r0 = 0; r0 < Rp; r0 += VW) {
+                    vf pv = loadv(pj + r0);
+                    storev(zs + r0, loadv(zs + r0) + pv * z);
+                    storev(pj + r0, pv * f);
                 }
-#undef VALUE_BLOCK_16
-#undef VALUE_BLOCK_8
             }
+            values_rows(s + (k0 + j0) * Rp, Rp, R, vf_, c, D, orow, k0 == 0 && j0 == 0, D);
+        }
     }
     for (long r = 0; r < R; r++) {
-        vf f = splat(inv[r]);
-        for (long d = 0; d < D; d += VW) storev_part(orow[r] + d, loadv_part(orow[r] + d, D - d) * f, D - d);
+        vf f = splat(inv[r]), z = splat(zs[r]);
+        for (long d = 0; d < D; d += VW) storev_part(orow[r] + d, (loadv_part(orow[r] + d, D - d) + z) * f, D - d);
     }
 }
 
@@ -1012,24 +1078,24 @@ static void attend_tile_q8(const float *q, const void *kc, const void *vc, const
 static inline __attribute__((always_inline)) void attend_one_g(
         const float *qt, const void *kc, const void *vc, const nk_half *ks, const nk_half *vs, const int32_t *table,
         long L, long G, long D, long h0, long h1, long bs, long row_stride, float scale, float *s, float *ot,
-        const int Q8) {
-    scores_g(qt, G, D, h0, h1, kc, ks, table, L, bs, row_stride, scale, s, Q8);
+        float *wide, const int Q8) {
+    scores_g(qt, G, D, h0, h1, kc, ks, table, L, bs, row_stride, scale, s, wide, Q8);
     for (long r = 0; r < (h1 - h0) * G; r++) {
         float inv = softmax_row(s + r * L, L);
         for (long j = 0; j < L; j++) s[r * L + j] *= inv;
     }
-    weighted_values_g(s, G, D, h0, h1, vc, vs, table, L, bs, row_stride, ot, Q8);
+    weighted_values_g(s, G, D, h0, h1, vc, vs, table, L, bs, row_stride, ot, wide, Q8);
 }
 
 static void attend_one_f32(const float *qt, const void *kc, const void *vc, const int32_t *table, long L, long G,
                            long D, long h0, long h1, long bs, long row_stride, float scale, float *s, float *ot) {
-    attend_one_g(qt, kc, vc, 0, 0, table, L, G, D, h0, h1, bs, row_stride, scale, s, ot, 0);
+    attend_one_g(qt, kc, vc, 0, 0, table, L, G, D, h0, h1, bs, row_stride, scale, s, ot, 0, 0);
 }
 
 static void attend_one_q8(const float *qt, const void *kc, const void *vc, const nk_half *ks, const nk_half *vs,
                           const int32_t *table, long L, long G, long D, long h0, long h1, long bs, long row_stride,
-                          float scale, float *s, float *ot) {
-    attend_one_g(qt, kc, vc, ks, vs, table, L, G, D, h0, h1, bs, row_stride, scale, s, ot, 1);
+                          float scale, float *s, float *ot, float *wide) {
+    attend_one_g(qt, kc, vc, ks, vs, table, L, G, D, h0, h1, bs, row_stride, scale, s, ot, wide, 1);
 }
 
 /* Paged attention, one query token per row: query t (q [T, Hq, D]) belongs to the
@@ -1079,6 +1145,7 @@ void nk_paged_attention(const float *q, const void *kc, const void *vc, const nk
         long rows_max = Hq > TILE_ROWS ? Hq : TILE_ROWS;
         float *s = malloc(sizeof(float) * rows_max * (max_len > 0 ? max_len : 1));
         float *qt = malloc(sizeof(float) * TILE_ROWS * D);
+        float *wide = ks ? malloc(sizeof(float) * bs * row_stride) : 0; /* an int8 page widened */
         /* longest first: the runner orders sequences shortest first, and a long item
          * left for last keeps the other threads waiting at the barrier */
 #pragma omp for schedule(dynamic, 1)
@@ -1100,12 +1167,13 @@ void nk_paged_attention(const float *q, const void *kc, const void *vc, const nk
                 continue;
             }
             if (ks)
-                attend_one_q8(q + t * Hq * D, kc, vc, ks, vs, table, L, G, D, h0, h1, bs, row_stride, scale, s, ot);
+                attend_one_q8(q + t * Hq * D, kc, vc, ks, vs, table, L, G, D, h0, h1, bs, row_stride, scale, s, ot, wide);
             else
                 attend_one_f32(q + t * Hq * D, kc, vc, table, L, G, D, h0, h1, bs, row_stride, scale, s, ot);
         }
         free(s);
         free(qt);
+        free(wide);
     }
     free(items);
 }
