@@ -43,10 +43,11 @@ WORKLOADS = {
     # model's chat template (their lengths come from the text), SAMPLING, one seed per request
     "chat": dict(num_requests=64, output=(16, 160), chat=True),
     "chat-tiny": dict(num_requests=8, output=(4, 16), chat=True),
-    # decode-heavy long contexts, where each step's KV read dominates: few long prompts, long
-    # outputs, all wanted at once, in a fixed KV budget (kv_cache_memory_bytes, 2 GiB: SmolLM2's
-    # float32 pool holds ~46k tokens of the ~85k the 32 sequences need, int8 ~175k: all of them)
-    "long": dict(num_requests=32, prompt=(1500, 3000), output=(256, 384), kv_cache_memory_bytes=2 << 30),
+    # decode-heavy long contexts, where each step's KV read dominates: long prompts, outputs a
+    # third of them (so that decode, not prefill, is most of the time), all wanted at once, in
+    # a fixed KV budget (kv_cache_memory_bytes, 1 GiB: SmolLM2's float32 pool holds ~23k tokens
+    # of the ~52k the 24 sequences need, ~10 at a time; int8 ~88k: all of them)
+    "long": dict(num_requests=24, prompt=(1024, 2048), output=(512, 768), kv_cache_memory_bytes=1 << 30),
 }
 SAMPLING = dict(temperature=0.8, top_p=0.95)  # the chat workloads' sampling
 

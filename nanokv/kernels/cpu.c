@@ -112,6 +112,26 @@ static inline float hsum(vf v) {
 #endif
 }
 
+/* out[i] = hsum(a[i]) for 8 vectors, rounded exactly as hsum's order, with 16 shuffles
+ * and adds instead of 8 separate reductions (VW 8: lanes 0-3 and 4-7 added first, then
+ * (0 + 1) + (2 + 3)) */
+static inline void hsum_x8(const vf *a, float *out) {
+#if VW == 8
+    v8 u[4];
+    for (int i = 0; i < 4; i++) /* [a(2i) lo + hi, a(2i+1) lo + hi] */
+        u[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    /* hadd within 128-bit lanes: [x0 + x1, x2 + x3, y0 + y1, y2 + y3] per lane */
+#define HADD(x, y) (__builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14) + __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15))
+    v8 h0 = HADD(u[0], u[1]), h1 = HADD(u[2], u[3]);
+    v8 h = HADD(h0, h1); /* [a0, a2, a4, a6 | a1, a3, a5, a7] */
+#undef HADD
+    store8(out, __builtin_shufflevector(h, h, 0, 4, 1, 5, 2, 6, 3, 7));
+#else
+    for (int i = 0; i < 8; i++) out[i] = hsum(a[i]);
+#endif
+}
+
 /* exp for any x (clamped to [-87, 88]): 2^n * p(f), n = round(x / ln2); for vectors of
  * floats VT with lanes ITYPE (VW wide, and 8 wide for the gate/up epilogue) */
 #define DEFINE_EXP(NAME, VT, IT)                                                            \
@@ -651,12 +671,21 @@ static inline void prefetch_page(const char *page, long bytes) {
 }
 
 /* Rows [0, n) of an int8 page (rows rb bytes apart), heads [h0, h1), widened into wide
- * (float32, (h1 - h0) * D a row). */
-static inline void widen_page(const char *page, long n, long rb, long h0, long h1, long D, float *wide) {
+ * (float32, (h1 - h0) * D a row), and their (scale, zero) pairs (pairs: the page's, Hkv a
+ * row) into sf[(h - h0) * bs + t] and zf[...] as floats; the next page's pairs (if any)
+ * prefetched (its values are prefetched by the caller, spread over the work). */
+static inline void widen_page(const char *page, const nk_half *pairs, const nk_half *next_pairs, long n, long rb,
+                              long Hkv, long h0, long h1, long D, long bs, float *wide, float *sf, float *zf) {
     const long w = (h1 - h0) * D;
+    if (next_pairs)
+        for (long i = 0; i < n * Hkv * 2 * (long)sizeof(nk_half); i += 64) __builtin_prefetch((const char *)next_pairs + i, 0, 3);
     for (long t = 0; t < n; t++) {
         const char *src = page + t * rb + h0 * D;
         for (long i = 0; i < w; i += 8) store8(wide + t * w + i, widen8(src + i));
+        for (long h = h0; h < h1; h++) {
+            sf[(h - h0) * bs + t] = (float)pairs[(t * Hkv + h) * 2];
+            zf[(h - h0) * bs + t] = (float)pairs[(t * Hkv + h) * 2 + 1];
+        }
     }
 }
 
@@ -677,12 +706,38 @@ static inline __attribute__((always_inline)) void scores_g(
         const nk_half *sc = Q8 ? ks + (long)table[t0 / bs] * bs * Hkv * 2 : 0; /* the page's pairs */
         long n = L - t0 < bs ? L - t0 : bs;
         const char *next = t0 + bs < L ? (const char *)kc + (long)table[t0 / bs + 1] * bs * rb : 0;
-        const float *rows = (const float *)page;
+        const float *rows = (const float *)page, *sf = wide + bs * row_stride, *zf = sf + bs * Hkv;
         if (Q8) {
-            widen_page(page, n, rb, h0, h1, D, wide);
+            widen_page(page, sc, next ? ks + (long)table[t0 / bs + 1] * bs * Hkv * 2 : 0, n, rb, Hkv, h0, h1, D, bs,
+                       wide, (float *)sf, (float *)zf);
             rows = wide;
         }
         long t = 0;
+        for (; t + 8 <= n; t += 8) { /* 8 keys at a time: 8 independent chains of FMAs */
+            const float *r0 = rows + t * ws;
+            long iters = (h1 - h0) * G, share = (8 * rb + 64 * iters - 1) / (64 * iters) * 64, done = 0;
+            for (long h = h0; h < h1; h++) {
+                const float *k0 = r0 + (h - hb) * D;
+                for (long g = 0; g < G; g++) {
+                    if (next && done < 8 * rb) { /* this iteration's share of the next page */
+                        long len = 8 * rb - done < share ? 8 * rb - done : share;
+                        prefetch_page(next + t * rb + done, len);
+                        done += len;
+                    }
+                    const float *qg = q + (h * G + g) * D;
+                    vf a[8];
+                    for (int i = 0; i < 8; i++) a[i] = splat(0);
+                    for (long d = 0; d < D; d += VW) {
+                        vf qv = loadv_part(qg + d, D - d);
+                        for (int i = 0; i < 8; i++) a[i] += qv * loadv_part(k0 + i * ws + d, D - d);
+                    }
+                    float *sg = s + ((h - h0) * G + g) * L + t0 + t;
+                    hsum_x8(a, sg);
+                    if (!Q8) /* int8: the pairs are applied below, a page at a time */
+                        for (int i = 0; i < 8; i++) sg[i] *= scale;
+                }
+            }
+        }
         for (; t + 4 <= n; t += 4) {
             const float *r0 = rows + t * ws;
             long iters = (h1 - h0) * G, share = (4 * rb + 64 * iters - 1) / (64 * iters) * 64, done = 0;
@@ -705,13 +760,11 @@ static inline __attribute__((always_inline)) void scores_g(
                         a3 += qv * loadv_part(k3 + d, D - d);
                     }
                     float *sg = s + ((h - h0) * G + g) * L + t0 + t;
-                    if (Q8) {
-                        const nk_half *st = sc + (t * Hkv + h) * 2;
-                        float z = qs[(h - h0) * G + g];
-                        sg[0] = hsum(a0) * (scale * (float)st[0]) + z * (float)st[1];
-                        sg[1] = hsum(a1) * (scale * (float)st[2 * Hkv]) + z * (float)st[2 * Hkv + 1];
-                        sg[2] = hsum(a2) * (scale * (float)st[4 * Hkv]) + z * (float)st[4 * Hkv + 1];
-                        sg[3] = hsum(a3) * (scale * (float)st[6 * Hkv]) + z * (float)st[6 * Hkv + 1];
+                    if (Q8) { /* raw dot products: the pairs are applied below, a page at a time */
+                        sg[0] = hsum(a0);
+                        sg[1] = hsum(a1);
+                        sg[2] = hsum(a2);
+                        sg[3] = hsum(a3);
                     } else {
                         sg[0] = hsum(a0) * scale;
                         sg[1] = hsum(a1) * scale;
@@ -724,15 +777,21 @@ static inline __attribute__((always_inline)) void scores_g(
         for (; t < n; t++) {
             for (long h = h0; h < h1; h++) {
                 const float *k0 = rows + t * ws + (h - hb) * D;
-                float f = Q8 ? scale * (float)sc[(t * Hkv + h) * 2] : scale;
-                float z = Q8 ? (float)sc[(t * Hkv + h) * 2 + 1] : 0;
                 for (long g = 0; g < G; g++) {
                     vf a0 = splat(0);
                     for (long d = 0; d < D; d += VW)
                         a0 += loadv_part(q + (h * G + g) * D + d, D - d) * loadv_part(k0 + d, D - d);
-                    s[((h - h0) * G + g) * L + t0 + t] = Q8 ? hsum(a0) * f + z * qs[(h - h0) * G + g] : hsum(a0) * f;
+                    s[((h - h0) * G + g) * L + t0 + t] = Q8 ? hsum(a0) : hsum(a0) * scale;
                 }
             }
+        }
+        for (long r = 0; Q8 && r < (h1 - h0) * G; r++) { /* score = raw * scale * scale_k + qsum * zero_k */
+            float *sr = s + r * L + t0;
+            const float *f = sf + (r / G) * bs, *z = zf + (r / G) * bs;
+            vf vscale = splat(scale), vz = splat(qs[r]);
+            long j = 0;
+            for (; j + VW <= n; j += VW) storev(sr + j, loadv(sr + j) * (vscale * loadv(f + j)) + vz * loadv(z + j));
+            for (; j < n; j++) sr[j] = sr[j] * (scale * f[j]) + qs[r] * z[j];
         }
     }
 }
@@ -753,9 +812,11 @@ static inline __attribute__((always_inline)) void weighted_values_g(
         const char *page = (const char *)vc + (long)table[t0 / bs] * bs * rb;
         long n = L - t0 < bs ? L - t0 : bs;
         const char *next = t0 + bs < L ? (const char *)vc + (long)table[t0 / bs + 1] * bs * rb : 0;
-        const float *vals = (const float *)page;
+        const float *vals = (const float *)page, *sf = wide + bs * row_stride, *zf = sf + bs * Hkv;
         if (Q8) {
-            widen_page(page, n, rb, h0, h1, D, wide);
+            widen_page(page, vs + (long)table[t0 / bs] * bs * Hkv * 2,
+                       next ? vs + (long)table[t0 / bs + 1] * bs * Hkv * 2 : 0, n, rb, Hkv, h0, h1, D, bs, wide,
+                       (float *)sf, (float *)zf);
             vals = wide;
         }
         for (long r = 0; r < rows; r++) {
@@ -767,8 +828,24 @@ static inline __attribute__((always_inline)) void weighted_values_g(
                 if (from < to) pf = next + from, pf_end = next + to;
             }
             const float *sg = s + r * L + t0;
-            const nk_half *sc = Q8 ? vs + ((long)table[t0 / bs] * bs * Hkv + h0 + r / G) * 2 : 0; /* stride 2 Hkv */
-            for (long j = 0; Q8 && j < n; j++) zs[r] += sg[j] * (float)sc[j * Hkv * 2 + 1];
+            float pw[Q8 ? bs : 1]; /* int8: p_t * scale_t */
+            if (Q8) {
+                const float *f = sf + (r / G) * bs, *z = zf + (r / G) * bs;
+                vf za = splat(0);
+                long j = 0;
+                for (; j + VW <= n; j += VW) {
+                    vf pv = loadv(sg + j);
+                    za += pv * loadv(z + j);
+                    storev(pw + j, pv * loadv(f + j));
+                }
+                float zsum = hsum(za);
+                for (; j < n; j++) {
+                    zsum += sg[j] * z[j];
+                    pw[j] = sg[j] * f[j];
+                }
+                zs[r] += zsum;
+                sg = pw;
+            }
             const float *vh = vals + (h0 + r / G - hb) * D;
             float *ag = acc + r * D;
             for (long d0 = 0; d0 < D; d0 += 4 * VW) { /* up to 4 accumulators in registers over the page */
@@ -782,7 +859,7 @@ static inline __attribute__((always_inline)) void weighted_values_g(
                         __builtin_prefetch(pf, 0, 3);
                         pf += 64;
                     }
-                    vf p = splat(Q8 ? sg[j] * (float)sc[j * Hkv * 2] : sg[j]);
+                    vf p = splat(sg[j]);
                     a0 += p * loadv_part(vr, w);
                     if (w > VW) a1 += p * loadv_part(vr + VW, w - VW);
                     if (w > 2 * VW) a2 += p * loadv_part(vr + 2 * VW, w - 2 * VW);
@@ -1145,7 +1222,7 @@ void nk_paged_attention(const float *q, const void *kc, const void *vc, const nk
         long rows_max = Hq > TILE_ROWS ? Hq : TILE_ROWS;
         float *s = malloc(sizeof(float) * rows_max * (max_len > 0 ? max_len : 1));
         float *qt = malloc(sizeof(float) * TILE_ROWS * D);
-        float *wide = ks ? malloc(sizeof(float) * bs * row_stride) : 0; /* an int8 page widened */
+        float *wide = ks ? malloc(sizeof(float) * bs * (row_stride + 2 * Hkv)) : 0; /* an int8 page widened, its pairs */
         /* longest first: the runner orders sequences shortest first, and a long item
          * left for last keeps the other threads waiting at the barrier */
 #pragma omp for schedule(dynamic, 1)
