@@ -44,19 +44,24 @@ def assert_same(outputs, expected, prompts):
         assert got.finish_reason == reason, f"prompt {i}"
 
 
+def select_cpu_path(path: str, monkeypatch) -> str:
+    """Set the environment for one CPU path (see cpu_path); skip where it cannot run."""
+    from nanokv import kernels
+
+    if path == "torch":
+        monkeypatch.setenv("NANOKV_CPU_KERNELS", "0")
+    elif not kernels.available():
+        pytest.skip("no C compiler: CPU kernels not built")
+    elif path == "cpu-kernels-other-width":
+        monkeypatch.setenv("NANOKV_CPU_WIDTH", "8" if kernels.ffi.lib().nk_width() == 16 else "16")
+    return path
+
+
 @pytest.fixture(params=["cpu-kernels", "cpu-kernels-other-width", "torch"])
 def cpu_path(request, monkeypatch):
     """Both CPU paths: the C kernels (the default when they build; also built at the vector
     width this CPU does not pick, 8 or 16 floats) and pure torch."""
-    from nanokv import kernels
-
-    if request.param == "torch":
-        monkeypatch.setenv("NANOKV_CPU_KERNELS", "0")
-    elif not kernels.available():
-        pytest.skip("no C compiler: CPU kernels not built")
-    elif request.param == "cpu-kernels-other-width":
-        monkeypatch.setenv("NANOKV_CPU_WIDTH", "8" if kernels.ffi.lib().nk_width() == 16 else "16")
-    return request.param
+    return select_cpu_path(request.param, monkeypatch)
 
 
 def assert_path(llm, path):

@@ -17,7 +17,7 @@ from nanokv import LLM, SamplingParams, kernels
 from nanokv import gguf as nk_gguf
 from nanokv.llm import render_chat
 
-from .test_hf_equality import assert_path, cpu_path  # noqa: F401 (a fixture)
+from .test_hf_equality import assert_path, cpu_path, select_cpu_path  # noqa: F401 (a fixture)
 
 
 def _missing() -> str | None:
@@ -70,8 +70,18 @@ def smollm2_dir(gguf_path, tmp_path_factory) -> str:
     return nk_gguf.save_dequantized(gguf_path, str(tmp_path_factory.mktemp("smollm2") / "model"))
 
 
-@torch.inference_mode()
+_HF_GREEDY: dict = {}  # (model, prompt, max_tokens) -> transformers' answer: each is asked for once
+
+
 def hf_greedy(model, prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[int], str]:
+    key = (id(model), tuple(prompt), max_tokens)
+    if key not in _HF_GREEDY:
+        _HF_GREEDY[key] = _hf_greedy(model, prompt, max_tokens)
+    return _HF_GREEDY[key]
+
+
+@torch.inference_mode()
+def _hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                          max_new_tokens=max_tokens, do_sample=False, eos_token_id=EOS, pad_token_id=EOS)
     tokens = out[0, len(prompt):].tolist()
@@ -86,6 +96,13 @@ def prompts(hf) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(hf, prompts):
     return [hf_greedy(hf[0], p) for p in prompts]
+
+
+@pytest.fixture(params=["cpu-kernels", "torch"])
+def main_cpu_path(request, monkeypatch):
+    """The two CPU paths for the scheduler-path tests on the real weights (the other vector
+    width runs the plain greedy test here, and every scheduler path on the tiny models)."""
+    return select_cpu_path(request.param, monkeypatch)
 
 
 def greedy(llm, prompts, max_tokens=MAX_TOKENS):
@@ -144,11 +161,11 @@ def test_greedy_equals_transformers(gguf_path, prompts, reference, cpu_path):
     assert llm.llm_engine.scheduler.num_preemptions == 0
 
 
-def test_multi_turn_hits_prefix_cache_and_equals_transformers(smollm2_dir, hf, cpu_path):
+def test_multi_turn_hits_prefix_cache_and_equals_transformers(smollm2_dir, hf, main_cpu_path):
     """Turn 2 of a chat re-sends turn 1 and its answer: those blocks come from the prefix
     cache, and the answer still equals transformers'."""
     llm = LLM(smollm2_dir, max_model_len=1024)
-    assert_path(llm, cpu_path)
+    assert_path(llm, main_cpu_path)
     tokenizer, bm = llm.get_tokenizer(), llm.llm_engine.block_manager
     turn1 = [{"role": "user", "content": "Name three famous French painters."}]
     p1 = render_chat(tokenizer, turn1)["prompt_token_ids"]
@@ -169,13 +186,13 @@ def test_multi_turn_hits_prefix_cache_and_equals_transformers(smollm2_dir, hf, c
     assert_same(out2, [hf_greedy(hf[0], p2)])
 
 
-def test_chunked_prefill_and_preemption_equal_transformers(smollm2_dir, prompts, reference, cpu_path):
+def test_chunked_prefill_and_preemption_equal_transformers(smollm2_dir, prompts, reference, main_cpu_path):
     """A 16-token step budget splits every prompt into chunks, and a 20-block pool (8
     tokens each) holds about two of the eight requests: the rest are preempted and
     recomputed, and every answer is still transformers'."""
     llm = LLM(smollm2_dir, max_model_len=160, kvcache_block_size=8, num_kvcache_blocks=20,
               max_num_batched_tokens=16)
-    assert_path(llm, cpu_path)
+    assert_path(llm, main_cpu_path)
     assert_same(greedy(llm, prompts), reference)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     bm = llm.llm_engine.block_manager
