@@ -1486,6 +1486,30 @@ static int32_t kth_largest(int32_t *a, long n, long k) {
     return a[want];
 }
 
+/* kth_largest of a[0..n) (not reordered) with out (n ints) as scratch: for long arrays a
+ * pivot from a sample a little below the k-th largest, the values at or above it filtered
+ * out without branches (quickselect's partitions mispredict about every other compare),
+ * and the k-th found among those few; the whole array when the sample misjudged. */
+static int32_t kth_largest_of(const int32_t *a, long n, long k, int32_t *out) {
+    enum { S = 128 };
+    if (n < 8 * S || k > n / 16) {
+        memcpy(out, a, sizeof(int32_t) * n);
+        return kth_largest(out, n, k);
+    }
+    int32_t sample[S];
+    for (long i = 0; i < S; i++) sample[i] = a[i * (n / S)];
+    long r = 2 * k * S / n + 4; /* expect ~2k survivors */
+    int32_t pivot = kth_largest(sample, S, r > S ? S : r);
+    long c = 0;
+    for (long i = 0; i < n; i++) {
+        out[c] = a[i];
+        c += a[i] >= pivot;
+    }
+    if (c >= k) return kth_largest(out, c, k);
+    memcpy(out, a, sizeof(int32_t) * n);
+    return kth_largest(out, n, k);
+}
+
 struct cand { int32_t key, id; };
 
 static int cand_cmp(const void *pa, const void *pb) {
@@ -1541,16 +1565,26 @@ static inline int32_t block_max_key(const float *x, long B) {
 /* One row's k largest logits, largest first (ties: lower id first), as sampler.py's
  * top_candidates: blocks of B, the k blocks with the largest maxima, then the best k of
  * those blocks and the ragged end (B == 0: of the whole row). work: 5 * V ints. */
+static void top_row_given(const float *x, long V, long k, long B, int32_t *work, const int32_t *given, float *vals,
+                          int64_t *ids);
+
 static void top_row(const float *x, long V, long k, long B, int32_t *work, float *vals, int64_t *ids) {
+    top_row_given(x, V, k, B, work, 0, vals, ids);
+}
+
+/* top_row with the block maxima given (keys, [V / B]; NULL: found here) */
+static void top_row_given(const float *x, long V, long k, long B, int32_t *work, const int32_t *given, float *vals,
+                          int64_t *ids) {
     long P = 0;
     int32_t *pk = work, *pid = work + V, *tmp = work + 2 * V; /* V ints each */
     struct cand *best = (struct cand *)(work + 3 * V);        /* k <= V items of 2 ints */
     if (B) {
         long nb = V / B;
         int32_t *mk = tmp, *mtmp = tmp + nb; /* tmp holds 2 nb <= V ints until the pool is built */
-        for (long b = 0; b < nb; b++) mk[b] = block_max_key(x + b * B, B);
-        memcpy(mtmp, mk, sizeof(int32_t) * nb);
-        int32_t t = kth_largest(mtmp, nb, k);
+        if (given) memcpy(mk, given, sizeof(int32_t) * nb);
+        else
+            for (long b = 0; b < nb; b++) mk[b] = block_max_key(x + b * B, B);
+        int32_t t = kth_largest_of(mk, nb, k, mtmp);
         long above = 0;
         for (long b = 0; b < nb; b++) above += mk[b] > t;
         long ties = k - above;
@@ -1597,15 +1631,25 @@ void nk_top_candidates(const float *logits, long V, const int64_t *rows, long n,
     }
 }
 
+/* whether any lane of a mask is set: a movemask where the ISA has one (the reduction of
+ * shuffles it replaces was a third of exp2_neg's cost) */
 static inline int any_lane(vi m) {
+#if VW == 16 && defined(__AVX512F__) && !defined(NK_PORTABLE)
+    return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0;
+#else
 #if VW == 16
     v8i a = __builtin_shufflevector(m, m, 0, 1, 2, 3, 4, 5, 6, 7) | __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15);
 #else
     v8i a = m;
 #endif
+#if defined(__AVX2__) && !defined(NK_PORTABLE)
+    return _mm256_movemask_ps((__m256)a) != 0;
+#else
     a |= __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3);
     a |= __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5);
     return (a[0] | a[1]) != 0;
+#endif
+#endif
 }
 
 /* 2^f for f in [-1/2, 1/2]: a degree-6 fit, relative error 2e-9 (an ulp is 6e-8); p(0) = 1 */
@@ -1761,11 +1805,69 @@ static long draw_past(float *e, long V, float *bs, float rest, float z, const fl
     }
 }
 
+/* One read of a row for what a draw with top_k off needs first: the keys of its blocks' maxima
+ * (blocks of B, B a power of two dividing SB: mk [V / B], top_row's) and its weight
+ * sum_j 2^((x_j - m) * scale), m the row's largest logit (returned in *m_out): each block of
+ * SB is summed against its own largest logit mb while it is in L1, its sum then weighed
+ * 2^((mb - m) * scale) (each weight rounds once more than weights_row's: the draws agree with
+ * it but for ulps of the total). smax, ssum: a float each per SB block. */
+static double fused_row(const float *x, long V, long B, float scale, int32_t *mk, float *smax, float *ssum,
+                        float *m_out) {
+    float m = -INFINITY;
+    for (long b0 = 0, b = 0; b0 < V; b0 += SB, b++) {
+        long end = b0 + SB < V ? b0 + SB : V, j = b0;
+        v8 mx = (v8){} - INFINITY;
+        for (; j + B <= end; j += B) { /* the full blocks of B: their maxima */
+            v8 bm = load8(x + j);
+            v8i nan = bm != bm;
+            for (long i = 8; i < B; i += 8) {
+                v8 v = load8(x + j + i);
+                nan |= v != v;
+                bm = (v8)(((v8i)v & (v > bm)) | ((v8i)bm & ~(v > bm)));
+            }
+            v8 h = __builtin_shufflevector(bm, bm, 4, 5, 6, 7, 0, 1, 2, 3);
+            h = (v8)(((v8i)h & (h > bm)) | ((v8i)bm & ~(h > bm)));
+            v8 h2 = __builtin_shufflevector(h, h, 2, 3, 0, 1, 6, 7, 4, 5);
+            h = (v8)(((v8i)h2 & (h2 > h)) | ((v8i)h & ~(h2 > h)));
+            float f = h[0] > h[1] ? h[0] : h[1];
+            nan |= __builtin_shufflevector(nan, nan, 4, 5, 6, 7, 0, 1, 2, 3);
+            nan |= __builtin_shufflevector(nan, nan, 2, 3, 0, 1, 6, 7, 4, 5);
+            /* a zero maximum may be -0 beside a +0, and NaN ranks above +inf: the keys decide */
+            mk[j / B] = (f == 0 || nan[0] || nan[1]) ? block_max_key(x + j, B) : fkey(f);
+            mx = (v8)(((v8i)bm & (bm > mx)) | ((v8i)mx & ~(bm > mx)));
+        }
+        float mb = mx[0];
+        for (int i = 1; i < 8; i++) mb = mx[i] > mb ? mx[i] : mb;
+        for (; j < end; j++) mb = x[j] > mb ? x[j] : mb; /* the ragged end of the row */
+        smax[b] = mb;
+        m = mb > m ? mb : m;
+        if (mb == -INFINITY) { /* nothing to weigh in this block (and no NaN from -inf - -inf) */
+            ssum[b] = 0;
+            continue;
+        }
+        vf acc = splat(0);
+        for (j = b0; j + VW <= end; j += VW) acc += exp2_neg((loadv(x + j) - splat(mb)) * splat(scale));
+        float sb = hsum(acc);
+        for (; j < end; j++) sb += exp2_neg(splat((x[j] - mb) * scale))[0];
+        ssum[b] = sb;
+    }
+    double total = 0;
+    for (long b = 0; b * SB < V; b++)
+        if (ssum[b] > 0) total += ssum[b] * exp2_neg(splat((smax[b] - m) * scale))[0];
+    *m_out = m;
+    return total;
+}
+
 /* One token for each of the n rows rows[i] (NULL: i) of logits [*, V] with top_k off, and
  * z[i], the weight of its row: sampler.py's sample_rows for such rows, whole. Its c
  * candidates (top_row, blocks of B) weighted w = 2^((logit - max) * scale[i]); top_p and
  * min_p (NULL: off) cut inside them, or the first uniform u[i] lands in them: the token is
- * a candidate; else the draw goes on past them (draw_past, its later uniforms from keys[i]). */
+ * a candidate; else the draw goes on past them (draw_past, its later uniforms from keys[i]).
+ * Where B divides SB the row is read once for its block maxima and its weight (fused_row),
+ * and only a draw that goes past the candidates weighs every token (weights_row, whose own
+ * total then decides: the fused total differs from it by ulps, which moves a draw only at
+ * the boundary between the candidates and the rest); a row's token is a function of the
+ * row, its settings and its uniforms alone either way. */
 void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, long c, long B, const float *scale,
                     const float *u, const int64_t *keys, const float *top_p, const float *min_p, float *z,
                     int64_t *tokens) {
@@ -1773,14 +1875,21 @@ void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, lo
 #pragma omp parallel if (n > 1)
     {
         int32_t *work = malloc(sizeof(int32_t) * 5 * V);
-        float *e = malloc(sizeof(float) * (V + nbk + 3 * c)), *bs = e + V, *vals = bs + nbk, *w = vals + c,
-              *cum = w + c;
+        float *e = malloc(sizeof(float) * (V + 3 * nbk + 3 * c)), *bs = e + V, *vals = bs + nbk, *w = vals + c,
+              *cum = w + c, *sx = cum + c, *ssum = sx + nbk; /* sx, ssum: fused_row's */
+        int32_t *mk = malloc(sizeof(int32_t) * (B > 0 ? V / B + 1 : 1));
         int64_t *ids = malloc(sizeof(int64_t) * c);
 #pragma omp for schedule(dynamic, 1)
         for (long i = 0; i < n; i++) {
             const float *x = logits + (rows ? rows[i] : i) * V;
-            float p = top_p ? top_p[i] : 1, mp = min_p ? min_p[i] : -1;
-            top_row(x, V, c, B, work, vals, ids);
+            float p = top_p ? top_p[i] : 1, mp = min_p ? min_p[i] : -1, zf, mf; /* mf: fused_row's max */
+            int fused = B > 0 && SB % B == 0, weighed = !fused; /* weighed: e and bs hold the row's weights */
+            if (fused) {
+                zf = (float)fused_row(x, V, B, scale[i], mk, sx, ssum, &mf);
+                top_row_given(x, V, c, B, work, mk, vals, ids);
+            } else {
+                top_row(x, V, c, B, work, vals, ids);
+            }
             float m = vals[0];
             double acc = 0;
             for (long q = 0; q < c; q++) {
@@ -1789,10 +1898,16 @@ void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, lo
             }
             float cand = cum[c - 1], before_last = cand - w[c - 1];
             int cut = c >= V || w[c - 1] == 0 || w[c - 1] < mp; /* the kept set ends inside the candidates */
-            float zf = (float)weights_row(x, V, m, scale[i], e, bs);
-            z[i] = zf;
+            if (weighed) zf = (float)weights_row(x, V, m, scale[i], e, bs);
             int inside = cut || (p < 1 && before_last >= p * zf);
             float uz = rounded(u[i] * zf);
+            if (!inside && uz >= cand && !weighed) { /* past the candidates: the weights themselves, */
+                zf = (float)weights_row(x, V, m, scale[i], e, bs);    /* and their own total decides */
+                weighed = 1;
+                inside = cut || (p < 1 && before_last >= p * zf);
+                uz = rounded(u[i] * zf);
+            }
+            z[i] = zf;
             if (!inside && uz >= cand) {
                 for (long q = 0; q < c; q++) e[ids[q]] = 0; /* the tokens past the candidates */
                 for (long q = 0; q < c; q++) {              /* their blocks' sums again */
@@ -1812,6 +1927,7 @@ void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, lo
             tokens[i] = ids[q];
         }
         free(ids);
+        free(mk);
         free(e);
         free(work);
     }
