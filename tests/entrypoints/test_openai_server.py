@@ -290,6 +290,27 @@ def test_a_non_streaming_client_that_goes_away_aborts_its_request(server):
     assert successes(after) == before
 
 
+def test_a_client_that_hangs_up_mid_body_gets_no_traceback_and_the_server_keeps_serving(server, client):
+    """Headers promising a body, half of it, then the socket closed: the server answers
+    nobody (the read ends in a 400 for its log, not a 500 with a traceback) and serves the
+    next request."""
+    import socket
+    from urllib.parse import urlsplit
+
+    before = successes(assert_idle(server))
+    address = urlsplit(server.url)
+    body = json.dumps({**LONG, "stream": True}).encode()
+    for _ in range(3):
+        with socket.create_connection((address.hostname, address.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Authorization: " + AUTH["Authorization"].encode() + b"\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:len(body) // 2])
+    out = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0)
+    assert out.choices[0].text is not None
+    assert successes(assert_idle(server)) == before + 1
+    assert "Traceback" not in server.read_log()
+
+
 KILLED_CLIENT = """
 import sys, openai
 client = openai.OpenAI(base_url=sys.argv[1], api_key=sys.argv[2], max_retries=0, timeout=30)

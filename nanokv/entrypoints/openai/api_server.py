@@ -25,7 +25,7 @@ try:
     import uvicorn
     from fastapi import FastAPI
     from starlette.exceptions import HTTPException as StarletteHTTPException
-    from starlette.requests import Request
+    from starlette.requests import ClientDisconnect, Request
     from starlette.responses import Response
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError(f"nanokv serve needs the server extra ({e.name} is missing): "
@@ -141,11 +141,14 @@ async def read_json(request: Request) -> tuple[dict, bool]:
     """The body as a JSON object (APIError 400 otherwise, 413 past MAX_BODY_BYTES), and
     whether it is big enough to be handled off the event loop."""
     size, chunks = 0, []
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(413, f"the body is over {MAX_BODY_BYTES} bytes; send a smaller request")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise APIError(413, f"the body is over {MAX_BODY_BYTES} bytes; send a smaller request")
+            chunks.append(chunk)
+    except ClientDisconnect:  # nobody is left to answer: a 400 for the log, not a 500 and a traceback
+        raise bad_request("the client disconnected before the whole body arrived; send it again") from None
     raw = b"".join(chunks)
     if not raw.strip():
         raise bad_request("the body is empty; send a JSON object such as "
