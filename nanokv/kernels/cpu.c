@@ -689,6 +689,41 @@ static inline void widen_page(const char *page, const nk_half *pairs, const nk_h
     }
 }
 
+/* Scores of NK consecutive keys (rows ws floats apart from keys, heads from hb) for query
+ * heads [h0 * G, h1 * G): s[(h - h0) * G + g][i] (rows L apart) = q . k_i, times scale when
+ * not Q8 (int8 pages get their pairs later); NK rows' bytes of the next page (next, rb
+ * bytes a row) prefetched, a share in each (head, query) iteration. One copy per NK. */
+static inline __attribute__((always_inline)) void score_keys(
+        const float *q, const float *keys, long ws, long G, long D, long h0, long h1, long hb, const char *next,
+        long rb, float scale, float *s, long L, const int NK, const int Q8) {
+    long iters = (h1 - h0) * G, share = (NK * rb + 64 * iters - 1) / (64 * iters) * 64, done = 0;
+    for (long h = h0; h < h1; h++) {
+        const float *k0 = keys + (h - hb) * D;
+        for (long g = 0; g < G; g++) {
+            if (next && done < NK * rb) { /* this iteration's share of the next page */
+                long len = NK * rb - done < share ? NK * rb - done : share;
+                prefetch_page(next + done, len);
+                done += len;
+            }
+            const float *qg = q + (h * G + g) * D;
+            vf a[8];
+            for (int i = 0; i < NK; i++) a[i] = splat(0);
+            for (long d = 0; d < D; d += VW) {
+                vf qv = loadv_part(qg + d, D - d);
+                for (int i = 0; i < NK; i++) a[i] += qv * loadv_part(k0 + i * ws + d, D - d);
+            }
+            float *sg = s + ((h - h0) * G + g) * L;
+            if (NK == 8) {
+                hsum_x8(a, sg);
+            } else {
+                for (int i = 0; i < NK; i++) sg[i] = hsum(a[i]);
+            }
+            if (!Q8)
+                for (int i = 0; i < NK; i++) sg[i] *= scale;
+        }
+    }
+}
+
 /* Scores of query heads [h0 * G, h1 * G) against the first L cached keys:
  * s[(h - h0) * G + g][t] = scale * q[h * G + g] . k_t[h] (k_t[h] = k_int8 * scale + zero when Q8).
  * Pages are read whole and in order (KV heads h0..h1 of a row are adjacent); the next
@@ -713,78 +748,14 @@ static inline __attribute__((always_inline)) void scores_g(
             rows = wide;
         }
         long t = 0;
-        for (; t + 8 <= n; t += 8) { /* 8 keys at a time: 8 independent chains of FMAs */
-            const float *r0 = rows + t * ws;
-            long iters = (h1 - h0) * G, share = (8 * rb + 64 * iters - 1) / (64 * iters) * 64, done = 0;
-            for (long h = h0; h < h1; h++) {
-                const float *k0 = r0 + (h - hb) * D;
-                for (long g = 0; g < G; g++) {
-                    if (next && done < 8 * rb) { /* this iteration's share of the next page */
-                        long len = 8 * rb - done < share ? 8 * rb - done : share;
-                        prefetch_page(next + t * rb + done, len);
-                        done += len;
-                    }
-                    const float *qg = q + (h * G + g) * D;
-                    vf a[8];
-                    for (int i = 0; i < 8; i++) a[i] = splat(0);
-                    for (long d = 0; d < D; d += VW) {
-                        vf qv = loadv_part(qg + d, D - d);
-                        for (int i = 0; i < 8; i++) a[i] += qv * loadv_part(k0 + i * ws + d, D - d);
-                    }
-                    float *sg = s + ((h - h0) * G + g) * L + t0 + t;
-                    hsum_x8(a, sg);
-                    if (!Q8) /* int8: the pairs are applied below, a page at a time */
-                        for (int i = 0; i < 8; i++) sg[i] *= scale;
-                }
-            }
-        }
-        for (; t + 4 <= n; t += 4) {
-            const float *r0 = rows + t * ws;
-            long iters = (h1 - h0) * G, share = (4 * rb + 64 * iters - 1) / (64 * iters) * 64, done = 0;
-            for (long h = h0; h < h1; h++) {
-                const float *k0 = r0 + (h - hb) * D, *k1 = k0 + ws;
-                const float *k2 = k1 + ws, *k3 = k2 + ws;
-                for (long g = 0; g < G; g++) {
-                    if (next && done < 4 * rb) { /* this iteration's share of the next page */
-                        long len = 4 * rb - done < share ? 4 * rb - done : share;
-                        prefetch_page(next + t * rb + done, len);
-                        done += len;
-                    }
-                    const float *qg = q + (h * G + g) * D;
-                    vf a0 = splat(0), a1 = splat(0), a2 = splat(0), a3 = splat(0);
-                    for (long d = 0; d < D; d += VW) {
-                        vf qv = loadv_part(qg + d, D - d);
-                        a0 += qv * loadv_part(k0 + d, D - d);
-                        a1 += qv * loadv_part(k1 + d, D - d);
-                        a2 += qv * loadv_part(k2 + d, D - d);
-                        a3 += qv * loadv_part(k3 + d, D - d);
-                    }
-                    float *sg = s + ((h - h0) * G + g) * L + t0 + t;
-                    if (Q8) { /* raw dot products: the pairs are applied below, a page at a time */
-                        sg[0] = hsum(a0);
-                        sg[1] = hsum(a1);
-                        sg[2] = hsum(a2);
-                        sg[3] = hsum(a3);
-                    } else {
-                        sg[0] = hsum(a0) * scale;
-                        sg[1] = hsum(a1) * scale;
-                        sg[2] = hsum(a2) * scale;
-                        sg[3] = hsum(a3) * scale;
-                    }
-                }
-            }
-        }
-        for (; t < n; t++) {
-            for (long h = h0; h < h1; h++) {
-                const float *k0 = rows + t * ws + (h - hb) * D;
-                for (long g = 0; g < G; g++) {
-                    vf a0 = splat(0);
-                    for (long d = 0; d < D; d += VW)
-                        a0 += loadv_part(q + (h * G + g) * D + d, D - d) * loadv_part(k0 + d, D - d);
-                    s[((h - h0) * G + g) * L + t0 + t] = Q8 ? hsum(a0) : hsum(a0) * scale;
-                }
-            }
-        }
+        for (; t + 8 <= n; t += 8) /* 8 keys at a time: 8 independent chains of FMAs */
+            score_keys(q, rows + t * ws, ws, G, D, h0, h1, hb, next ? next + t * rb : 0, rb, scale,
+                       s + t0 + t, L, 8, Q8);
+        for (; t + 4 <= n; t += 4)
+            score_keys(q, rows + t * ws, ws, G, D, h0, h1, hb, next ? next + t * rb : 0, rb, scale,
+                       s + t0 + t, L, 4, Q8);
+        for (; t < n; t++)
+            score_keys(q, rows + t * ws, ws, G, D, h0, h1, hb, 0, rb, scale, s + t0 + t, L, 1, Q8);
         for (long r = 0; Q8 && r < (h1 - h0) * G; r++) { /* score = raw * scale * scale_k + qsum * zero_k */
             float *sr = s + r * L + t0;
             const float *f = sf + (r / G) * bs, *z = zf + (r / G) * bs;
