@@ -639,29 +639,6 @@ static inline __attribute__((always_inline)) v8 widen8(const char *p) {
 #endif
 }
 
-/* the first n values at byte address p (n >= 8, a multiple of 8), widened to float32, zero
- * past them */
-static inline __attribute__((always_inline)) vf load_kv(const char *p, long n, const int Q8) {
-    if (!Q8) return loadv_part((const float *)p, n);
-#if VW == 8
-    (void)n;
-    return widen8(p);
-#else
-#if defined(__AVX512F__) && !defined(NK_PORTABLE)
-    if (n >= VW) return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#else
-    if (n >= VW) {
-        v8 lo = widen8(p), hi = widen8(p + 8);
-        return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    }
-#endif
-    v8 lo = widen8(p);
-    vf v = {};
-    memcpy(&v, &lo, 32);
-    return v;
-#endif
-}
-
 /* Pages sit anywhere in the pool, so the hardware prefetcher cannot guess the next one:
  * while a page is read, the next page of the table is prefetched, spread over the work
  * on this one: each inner iteration requests its share, a few lines (a burst of a whole
@@ -1077,7 +1054,7 @@ static inline __attribute__((always_inline)) void attend_tile_g(
      * the values' scales, each row's sum_t p_t zero_t kept in zs and added to every dim at
      * the end: the value blocks then run as on float32 pages. */
     enum { VCHUNK = 16 };
-    float vf_[Q8 ? VCHUNK * D : 1], zs[TILE_ROWS] = {0};
+    float vf_[Q8 ? VCHUNK * D : 1], vsf[VCHUNK], vzf[VCHUNK], zs[TILE_ROWS] = {0};
     for (long k0 = 0; k0 < L; k0 += bs) {
         long first = (long)table[k0 / bs] * bs;
         const char *page = (const char *)vc + (first * row_stride + h * D) * E;
@@ -1089,11 +1066,11 @@ static inline __attribute__((always_inline)) void attend_tile_g(
         const nk_half *vsc = vs + (first * Hkv + h) * 2;
         for (long j0 = 0; j0 < nk; j0 += VCHUNK) {
             long c = nk - j0 < VCHUNK ? nk - j0 : VCHUNK;
+            widen_page(page + j0 * row_stride, vsc + j0 * 2 * Hkv, 0, c, row_stride, Hkv, 0, 1, D, VCHUNK, vf_, vsf,
+                       vzf); /* this head's rows: the page pointer is at head h already */
             for (long j = 0; j < c; j++) {
-                const char *vr = page + (j0 + j) * row_stride;
-                for (long d = 0; d < D; d += 8) store8(vf_ + j * D + d, widen8(vr + d));
                 float *pj = s + (k0 + j0 + j) * Rp;
-                vf f = splat((float)vsc[(j0 + j) * 2 * Hkv]), z = splat((float)vsc[(j0 + j) * 2 * Hkv + 1]);
+                vf f = splat(vsf[j]), z = splat(vzf[j]);
                 for (long r0 = 0; r0 < Rp; r0 += VW) {
                     vf pv = loadv(pj + r0);
                     storev(zs + r0, loadv(zs + r0) + pv * z);
@@ -1776,14 +1753,19 @@ static long draw_past(float *e, long V, float *bs, float rest, float z, const fl
     }
 }
 
+/* a where a > b, else b, lane by lane (NaN in a: b) */
+static inline v8 max8(v8 a, v8 b) {
+    v8i gt = a > b;
+    return (v8)(((v8i)a & gt) | ((v8i)b & ~gt));
+}
+
 /* One read of a row for what a draw with top_k off needs first: the keys of its blocks' maxima
  * (blocks of B, B a power of two dividing SB: mk [V / B], top_row's) and its weight
- * sum_j 2^((x_j - m) * scale), m the row's largest logit (returned in *m_out): each block of
+ * sum_j 2^((x_j - m) * scale), m the row's largest logit: each block of
  * SB is summed against its own largest logit mb while it is in L1, its sum then weighed
  * 2^((mb - m) * scale) (each weight rounds once more than weights_row's: the draws agree with
  * it but for ulps of the total). smax, ssum: a float each per SB block. */
-static double fused_row(const float *x, long V, long B, float scale, int32_t *mk, float *smax, float *ssum,
-                        float *m_out) {
+static double fused_row(const float *x, long V, long B, float scale, int32_t *mk, float *smax, float *ssum) {
     float m = -INFINITY;
     for (long b0 = 0, b = 0; b0 < V; b0 += SB, b++) {
         long end = b0 + SB < V ? b0 + SB : V, j = b0;
@@ -1794,18 +1776,16 @@ static double fused_row(const float *x, long V, long B, float scale, int32_t *mk
             for (long i = 8; i < B; i += 8) {
                 v8 v = load8(x + j + i);
                 nan |= v != v;
-                bm = (v8)(((v8i)v & (v > bm)) | ((v8i)bm & ~(v > bm)));
+                bm = max8(v, bm);
             }
-            v8 h = __builtin_shufflevector(bm, bm, 4, 5, 6, 7, 0, 1, 2, 3);
-            h = (v8)(((v8i)h & (h > bm)) | ((v8i)bm & ~(h > bm)));
-            v8 h2 = __builtin_shufflevector(h, h, 2, 3, 0, 1, 6, 7, 4, 5);
-            h = (v8)(((v8i)h2 & (h2 > h)) | ((v8i)h & ~(h2 > h)));
+            v8 h = max8(__builtin_shufflevector(bm, bm, 4, 5, 6, 7, 0, 1, 2, 3), bm);
+            h = max8(__builtin_shufflevector(h, h, 2, 3, 0, 1, 6, 7, 4, 5), h);
             float f = h[0] > h[1] ? h[0] : h[1];
             nan |= __builtin_shufflevector(nan, nan, 4, 5, 6, 7, 0, 1, 2, 3);
             nan |= __builtin_shufflevector(nan, nan, 2, 3, 0, 1, 6, 7, 4, 5);
             /* a zero maximum may be -0 beside a +0, and NaN ranks above +inf: the keys decide */
             mk[j / B] = (f == 0 || nan[0] || nan[1]) ? block_max_key(x + j, B) : fkey(f);
-            mx = (v8)(((v8i)bm & (bm > mx)) | ((v8i)mx & ~(bm > mx)));
+            mx = max8(bm, mx);
         }
         float mb = mx[0];
         for (int i = 1; i < 8; i++) mb = mx[i] > mb ? mx[i] : mb;
@@ -1825,7 +1805,6 @@ static double fused_row(const float *x, long V, long B, float scale, int32_t *mk
     double total = 0;
     for (long b = 0; b * SB < V; b++)
         if (ssum[b] > 0) total += ssum[b] * exp2_neg(splat((smax[b] - m) * scale))[0];
-    *m_out = m;
     return total;
 }
 
@@ -1853,10 +1832,10 @@ void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, lo
 #pragma omp for schedule(dynamic, 1)
         for (long i = 0; i < n; i++) {
             const float *x = logits + (rows ? rows[i] : i) * V;
-            float p = top_p ? top_p[i] : 1, mp = min_p ? min_p[i] : -1, zf, mf; /* mf: fused_row's max */
+            float p = top_p ? top_p[i] : 1, mp = min_p ? min_p[i] : -1, zf;
             int fused = B > 0 && SB % B == 0, weighed = !fused; /* weighed: e and bs hold the row's weights */
             if (fused) {
-                zf = (float)fused_row(x, V, B, scale[i], mk, sx, ssum, &mf);
+                zf = (float)fused_row(x, V, B, scale[i], mk, sx, ssum);
                 top_row_given(x, V, c, B, work, mk, vals, ids);
             } else {
                 top_row(x, V, c, B, work, vals, ids);
