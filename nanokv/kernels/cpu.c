@@ -604,6 +604,8 @@ void nk_embed(const int64_t *ids, long T, const void *w, int fmt, long K, float 
 }
 
 int nk_width(void) { return VW; }
+void nk_set_threads(int n) { omp_set_num_threads(n); } /* the calling thread's later parallel regions */
+int nk_threads(void) { return omp_get_max_threads(); }
 const char *nk_int8_isa(void) { return Q8_ISA; }
 
 /* ---- paged decode attention ----------------------------------------------------------- */
@@ -1434,28 +1436,39 @@ static int32_t kth_largest(int32_t *a, long n, long k) {
     return a[want];
 }
 
-/* kth_largest of a[0..n) (not reordered) with out (n ints) as scratch: for long arrays a
- * pivot from a sample a little below the k-th largest, the values at or above it filtered
- * out without branches (quickselect's partitions mispredict about every other compare),
- * and the k-th found among those few; the whole array when the sample misjudged. */
-static int32_t kth_largest_of(const int32_t *a, long n, long k, int32_t *out) {
-    enum { S = 128 };
-    if (n < 8 * S || k > n / 16) {
-        memcpy(out, a, sizeof(int32_t) * n);
-        return kth_largest(out, n, k);
+/* the lanes of m that are set, as the low 8 bits of an int (lane 0 the lowest) */
+static inline int mask_bits8(v8i m) {
+#if defined(__AVX2__) && !defined(NK_PORTABLE)
+    return _mm256_movemask_ps((__m256)m);
+#else
+    int bits = 0;
+    for (int l = 0; l < 8; l++) bits |= (m[l] != 0) << l;
+    return bits;
+#endif
+}
+
+/* Appends to out (and id + i to ids, if ids) each key a[i], i in [0, n), that is >= t, in
+ * order; returns the new count (from c). Eight keys at a time: few pass, so a mask of the
+ * eight that do is walked bit by bit. */
+static long keep_at_least(const int32_t *a, long id, long n, int32_t t, int32_t *out, int32_t *ids, long c) {
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8i v;
+        memcpy(&v, a + i, 32);
+        for (int bits = mask_bits8(v >= t); bits; bits &= bits - 1) {
+            int l = __builtin_ctz(bits);
+            out[c] = v[l];
+            if (ids) ids[c] = (int32_t)(id + i + l);
+            c++;
+        }
     }
-    int32_t sample[S];
-    for (long i = 0; i < S; i++) sample[i] = a[i * (n / S)];
-    long r = 2 * k * S / n + 4; /* expect ~2k survivors */
-    int32_t pivot = kth_largest(sample, S, r > S ? S : r);
-    long c = 0;
-    for (long i = 0; i < n; i++) {
-        out[c] = a[i];
-        c += a[i] >= pivot;
-    }
-    if (c >= k) return kth_largest(out, c, k);
-    memcpy(out, a, sizeof(int32_t) * n);
-    return kth_largest(out, n, k);
+    for (; i < n; i++)
+        if (a[i] >= t) {
+            out[c] = a[i];
+            if (ids) ids[c] = (int32_t)(id + i);
+            c++;
+        }
+    return c;
 }
 
 struct cand { int32_t key, id; };
@@ -1520,33 +1533,58 @@ static void top_row(const float *x, long V, long k, long B, int32_t *work, float
     top_row_given(x, V, k, B, work, 0, vals, ids);
 }
 
-/* top_row with the block maxima given (keys, [V / B]; NULL: found here) */
+/* The blocks whose maxima may be among the k largest of mk[0..nb): (key, block) for each
+ * key at or above a pivot taken from a sample a little below the k-th largest, in block
+ * order (every block where nb is short or the sample misjudged). Returns how many (>= k). */
+static long block_survivors(const int32_t *mk, long nb, long k, int32_t *sk, int32_t *sid) {
+    enum { S = 128 };
+    if (nb >= 8 * S && k <= nb / 16) {
+        int32_t sample[S];
+        for (long i = 0; i < S; i++) sample[i] = mk[i * (nb / S)];
+        long r = 2 * k * S / nb + 4; /* expect ~2k survivors */
+        long c = keep_at_least(mk, 0, nb, kth_largest(sample, S, r > S ? S : r), sk, sid, 0);
+        if (c >= k) return c;
+    }
+    return keep_at_least(mk, 0, nb, INT32_MIN, sk, sid, 0);
+}
+
+/* top_row with the block maxima given (keys, [V / B]; NULL: found here). The few arrays a
+ * row needs lie side by side at the start of work, so that they stay in L1 while the row
+ * streams past. */
 static void top_row_given(const float *x, long V, long k, long B, int32_t *work, const int32_t *given, float *vals,
                           int64_t *ids) {
-    long P = 0;
-    int32_t *pk = work, *pid = work + V, *tmp = work + 2 * V; /* V ints each */
-    struct cand *best = (struct cand *)(work + 3 * V);        /* k <= V items of 2 ints */
+    struct cand *best;
     if (B) {
-        long nb = V / B;
-        int32_t *mk = tmp, *mtmp = tmp + nb; /* tmp holds 2 nb <= V ints until the pool is built */
-        if (given) memcpy(mk, given, sizeof(int32_t) * nb);
-        else
+        long nb = V / B, pool = (k + 1) * B, P = 0; /* pool: k blocks and the ragged end (< B) */
+        int32_t *sk = work, *sid = sk + nb, *pk = sid + nb, *pid = pk + pool, *keys = pid + pool,
+                *tmp = keys + B, *mk = tmp + (nb > pool ? nb : pool); /* mk: nb ints, if not given */
+        best = (struct cand *)(mk + nb);
+        if (!given) {
             for (long b = 0; b < nb; b++) mk[b] = block_max_key(x + b * B, B);
-        int32_t t = kth_largest_of(mk, nb, k, mtmp);
+            given = mk;
+        }
+        long c = block_survivors(given, nb, k, sk, sid);
+        memcpy(tmp, sk, sizeof(int32_t) * c);
+        int32_t t = kth_largest(tmp, c, k);
         long above = 0;
-        for (long b = 0; b < nb; b++) above += mk[b] > t;
+        for (long i = 0; i < c; i++) {
+            above += sk[i] > t;
+            if (sk[i] >= t) __builtin_prefetch(x + (long)sid[i] * B, 0, 3); /* the blocks read next */
+        }
         long ties = k - above;
         /* the k chosen blocks each hold a key >= t, so the k best do too: only those join */
-        for (long b = 0; b < nb; b++) {
-            if (!(mk[b] > t || (mk[b] == t && ties-- > 0))) continue;
-            for (long j = b * B; j < (b + 1) * B; j++) {
-                int32_t kj = fkey(x[j]);
-                pk[P] = kj;
-                pid[P] = (int32_t)j;
-                P += kj >= t;
+        for (long i = 0; i < c; i++) {
+            if (!(sk[i] > t || (sk[i] == t && ties-- > 0))) continue;
+            long j0 = (long)sid[i] * B;
+            for (long j = 0; j < B; j += 8) { /* B: a multiple of 8 */
+                v8i v;
+                memcpy(&v, x + j0 + j, 32);
+                v ^= (v >> 31) & 0x7fffffff; /* fkey's, lane by lane */
+                memcpy(keys + j, &v, 32);
             }
+            P = keep_at_least(keys, j0, B, t, pk, pid, P);
         }
-        for (long j = nb * B; j < V; j++) {
+        for (long j = nb * B; j < V; j++) { /* the ragged end */
             int32_t kj = fkey(x[j]);
             pk[P] = kj;
             pid[P] = (int32_t)j;
@@ -1554,6 +1592,8 @@ static void top_row_given(const float *x, long V, long k, long B, int32_t *work,
         }
         select_best(pk, pid, P, k, tmp, best);
     } else {
+        int32_t *pk = work, *tmp = work + V; /* V ints each */
+        best = (struct cand *)(work + 2 * V);
         for (long j = 0; j < V; j++) pk[j] = fkey(x[j]);
         select_best(pk, 0, V, k, tmp, best);
     }
@@ -1667,50 +1707,69 @@ static float block_sum(const float *e, long b0, long end) {
     return s;
 }
 
-/* zero every weight at or below wt, refresh the block sums; the total */
-static double zero_up_to(float *e, long V, float wt, float *bs) {
+/* The helpers of a draw past the candidates read a row's weights as e[j] * f[b], b = j / SB:
+ * e relative to its block (fused_row's; f[b] = 0 for a block of no weight), or the row's
+ * own (weights_row's, every f[b] 1); ssum[b] is the sum of block b of e, bs[b] = ssum[b] *
+ * f[b] its weight. A weight wt is compared within block b as e against wt / f[b], in the
+ * block of the token it came from (own, own_e: that token's e) against own_e itself. */
+static inline float block_threshold(const float *f, long b, float wt, long own, float own_e) {
+    return b == own ? own_e : wt / f[b];
+}
+
+/* zero every weight at or below wt, refresh ssum and bs; the total */
+static double zero_up_to(float *e, long V, const float *f, float wt, long own, float own_e, float *ssum, float *bs) {
     double total = 0;
     for (long b0 = 0, b = 0; b0 < V; b0 += SB, b++) {
         long end = b0 + SB < V ? b0 + SB : V, j = b0;
+        if (f[b] == 0) {
+            bs[b] = 0;
+            continue;
+        }
+        float t = block_threshold(f, b, wt, own, own_e);
         for (; j + VW <= end; j += VW) {
             vf w = loadv(e + j);
-            storev(e + j, (vf)((vi)w & (w > splat(wt))));
+            storev(e + j, (vf)((vi)w & (w > splat(t))));
         }
-        for (; j < end; j++) e[j] = e[j] > wt ? e[j] : 0;
-        bs[b] = block_sum(e, b0, end);
+        for (; j < end; j++) e[j] = e[j] > t ? e[j] : 0;
+        ssum[b] = block_sum(e, b0, end);
+        bs[b] = ssum[b] * f[b];
         total += bs[b];
     }
     return total;
 }
 
-static float sum_above(const float *e, long V, float wt) {
+/* the weight of the tokens that weigh more than wt */
+static float sum_above(const float *e, long V, const float *f, float wt, long own, float own_e) {
     double total = 0;
-    for (long b0 = 0; b0 < V; b0 += SB) {
+    for (long b0 = 0, b = 0; b0 < V; b0 += SB, b++) {
+        if (f[b] == 0) continue;
         long end = b0 + SB < V ? b0 + SB : V, j = b0;
+        float t = block_threshold(f, b, wt, own, own_e);
         vf acc = splat(0);
         for (; j + VW <= end; j += VW) {
             vf w = loadv(e + j);
-            acc += (vf)((vi)w & (w > splat(wt)));
+            acc += (vf)((vi)w & (w > splat(t)));
         }
         float s = hsum(acc);
-        for (; j < end; j++) s += e[j] > wt ? e[j] : 0;
-        total += s;
+        for (; j < end; j++) s += e[j] > t ? e[j] : 0;
+        total += s * f[b];
     }
     return (float)total;
 }
 
 /* The first token (id order) whose running weight exceeds target; past the total, the last
  * token of positive weight (0 if none). */
-static long locate_row(const float *e, long V, const float *bs, double target) {
+static long locate_row(const float *e, long V, const float *f, const float *bs, double target) {
     double acc = 0;
     long b0 = 0, b = 0;
     for (; b0 < V && acc + bs[b] <= target; b0 += SB, b++) acc += bs[b];
     for (long j = b0; j < V; j++) {
-        acc += e[j];
-        if (acc > target && e[j] > 0) return j;
+        float w = e[j] * f[j / SB];
+        acc += w;
+        if (acc > target && w > 0) return j;
     }
     for (long j = V - 1; j > 0; j--)
-        if (e[j] > 0) return j;
+        if (e[j] * f[j / SB] > 0) return j;
     return 0;
 }
 
@@ -1723,25 +1782,25 @@ static inline float nk_uniform(uint64_t key, long draw) {
 }
 
 /* The rest of a draw past the candidates w, cum, cids [c] (sampler.py's _draw_past_candidates):
- * rest located among the other tokens (e: every token's weight, the candidates' zeroed; bs:
- * its block sums) in id order; a token that top_p or min_p (< 0: off) drops is rejected and
- * the row drawn again among the tokens more likely than it, candidates first (the uniforms
- * nk_uniform(key, 1, 2, ...)). z: the weight of the row. */
-static long draw_past(float *e, long V, float *bs, float rest, float z, const float *w, const float *cum,
-                      const int64_t *cids, long c, float top_p, float min_p, uint64_t key) {
+ * rest located among the other tokens (e, f, ssum, bs: their weights as above, the
+ * candidates' zeroed) in id order; a token that top_p or min_p (< 0: off) drops is rejected
+ * and the row drawn again among the tokens more likely than it, candidates first (the
+ * uniforms nk_uniform(key, 1, 2, ...)). z: the weight of the row. */
+static long draw_past(float *e, long V, const float *f, float *ssum, float *bs, float rest, float z, const float *w,
+                      const float *cum, const int64_t *cids, long c, float top_p, float min_p, uint64_t key) {
     for (long draw = 1;; draw++) {
-        long pick = locate_row(e, V, bs, rest);
-        float wt = e[pick];
+        long pick = locate_row(e, V, f, bs, rest), own = pick / SB;
+        float own_e = e[pick], wt = own_e * f[own];
         int ok = wt > 0;
         if (ok && top_p < 1) {
             float cw = 0;
             for (long q = 0; q < c; q++) cw += w[q] > wt ? w[q] : 0;
-            ok = sum_above(e, V, wt) + cw < top_p * z;
+            ok = sum_above(e, V, f, wt, own, own_e) + cw < top_p * z;
         }
         if (ok && min_p >= 0) ok = wt >= min_p;
         if (ok) return pick;
         /* every token as likely as a rejected one is dropped too: draw again above it */
-        float rest_w = (float)zero_up_to(e, V, wt, bs), cw = 0;
+        float rest_w = (float)zero_up_to(e, V, f, wt, own, own_e, ssum, bs), cw = 0;
         for (long q = 0; q < c; q++) cw += w[q] > wt ? w[q] : 0;
         float target = rounded(nk_uniform(key, draw) * (cw + rest_w));
         if (target < cw) {
@@ -1759,24 +1818,54 @@ static inline v8 max8(v8 a, v8 b) {
     return (v8)(((v8i)a & gt) | ((v8i)b & ~gt));
 }
 
+/* 2^t for t in [-126, 0] (a block whose weights are all normal floats): 2^n * p(f), n the
+ * nearest integer (the 1.5 * 2^23 trick: t + M holds it in its low bits), p of degree 5,
+ * relative error 1.7e-7 in float32. No range test per vector: the caller checked the block. */
+static inline vf exp2_block(vf t) {
+    const float M = 12582912.0f;
+    vf r = t + splat(M);
+    vf f = t - (r - splat(M));
+    vi bits;
+    memcpy(&bits, &r, sizeof bits);
+    bits = (bits << 23) + (127 << 23);
+    vf s;
+    memcpy(&s, &bits, sizeof s);
+    vf p = splat(1.326472731307149e-03f);
+    p = p * f + splat(9.671512991189957e-03f);
+    p = p * f + splat(5.550733581185341e-02f);
+    p = p * f + splat(2.4022242426872253e-01f);
+    p = p * f + splat(6.931470036506653e-01f);
+    return (p * f + splat(1.0f)) * s;
+}
+
+static inline v8 min8(v8 a, v8 b) {
+    v8i lt = a < b;
+    return (v8)(((v8i)a & lt) | ((v8i)b & ~lt));
+}
+
+#define FUSED_AHEAD (8 * SB) /* floats: the exp work of a block hides the fetch of one 8 blocks on */
+
 /* One read of a row for what a draw with top_k off needs first: the keys of its blocks' maxima
  * (blocks of B, B a power of two dividing SB: mk [V / B], top_row's) and its weight
- * sum_j 2^((x_j - m) * scale), m the row's largest logit: each block of
- * SB is summed against its own largest logit mb while it is in L1, its sum then weighed
- * 2^((mb - m) * scale) (each weight rounds once more than weights_row's: the draws agree with
- * it but for ulps of the total). smax, ssum: a float each per SB block. */
-static double fused_row(const float *x, long V, long B, float scale, int32_t *mk, float *smax, float *ssum) {
+ * sum_j 2^((x_j - m) * scale), m the row's largest logit: each block of SB is weighed
+ * against its own largest logit mb while it is in L1 (e[j] = 2^((x_j - mb) * scale)), its
+ * sum then weighed 2^((mb - m) * scale). smax, ssum: a float each per SB block. A block
+ * whose weights are all normal floats (known from its smallest logit) takes exp2_block,
+ * the others exp2_neg; the exp work hides the fetch of the row further on (prefetched). */
+static double fused_row(const float *x, long V, long B, float scale, int32_t *mk, float *smax, float *ssum,
+                        float *e) {
     float m = -INFINITY;
     for (long b0 = 0, b = 0; b0 < V; b0 += SB, b++) {
         long end = b0 + SB < V ? b0 + SB : V, j = b0;
-        v8 mx = (v8){} - INFINITY;
+        v8 mx = (v8){} - INFINITY, mn = (v8){} + INFINITY;
         for (; j + B <= end; j += B) { /* the full blocks of B: their maxima */
-            v8 bm = load8(x + j);
+            v8 bm = load8(x + j), bn = bm;
             v8i nan = bm != bm;
             for (long i = 8; i < B; i += 8) {
                 v8 v = load8(x + j + i);
                 nan |= v != v;
                 bm = max8(v, bm);
+                bn = min8(v, bn);
             }
             v8 h = max8(__builtin_shufflevector(bm, bm, 4, 5, 6, 7, 0, 1, 2, 3), bm);
             h = max8(__builtin_shufflevector(h, h, 2, 3, 0, 1, 6, 7, 4, 5), h);
@@ -1786,26 +1875,59 @@ static double fused_row(const float *x, long V, long B, float scale, int32_t *mk
             /* a zero maximum may be -0 beside a +0, and NaN ranks above +inf: the keys decide */
             mk[j / B] = (f == 0 || nan[0] || nan[1]) ? block_max_key(x + j, B) : fkey(f);
             mx = max8(bm, mx);
+            mn = min8(bn, mn);
         }
-        float mb = mx[0];
-        for (int i = 1; i < 8; i++) mb = mx[i] > mb ? mx[i] : mb;
-        for (; j < end; j++) mb = x[j] > mb ? x[j] : mb; /* the ragged end of the row */
+        float mb = mx[0], lo = mn[0];
+        for (int i = 1; i < 8; i++) {
+            mb = mx[i] > mb ? mx[i] : mb;
+            lo = mn[i] < lo ? mn[i] : lo;
+        }
+        for (; j < end; j++) { /* the ragged end of the row */
+            mb = x[j] > mb ? x[j] : mb;
+            lo = x[j] < lo ? x[j] : lo;
+        }
         smax[b] = mb;
         m = mb > m ? mb : m;
         if (mb == -INFINITY) { /* nothing to weigh in this block (and no NaN from -inf - -inf) */
+            memset(e + b0, 0, sizeof(float) * (end - b0));
             ssum[b] = 0;
             continue;
         }
         vf acc = splat(0);
-        for (j = b0; j + VW <= end; j += VW) acc += exp2_neg((loadv(x + j) - splat(mb)) * splat(scale));
+        j = b0;
+        if ((lo - mb) * scale >= -126.0f) { /* false for a NaN too */
+            for (; j + VW <= end; j += VW) {
+                __builtin_prefetch(x + j + FUSED_AHEAD, 0, 3);
+                vf w = exp2_block((loadv(x + j) - splat(mb)) * splat(scale));
+                storev(e + j, w);
+                acc += w;
+            }
+        } else {
+            for (; j + VW <= end; j += VW) {
+                __builtin_prefetch(x + j + FUSED_AHEAD, 0, 3);
+                vf w = exp2_neg((loadv(x + j) - splat(mb)) * splat(scale));
+                storev(e + j, w);
+                acc += w;
+            }
+        }
         float sb = hsum(acc);
-        for (; j < end; j++) sb += exp2_neg(splat((x[j] - mb) * scale))[0];
+        for (; j < end; j++) sb += e[j] = exp2_neg(splat((x[j] - mb) * scale))[0];
         ssum[b] = sb;
     }
     double total = 0;
     for (long b = 0; b * SB < V; b++)
         if (ssum[b] > 0) total += ssum[b] * exp2_neg(splat((smax[b] - m) * scale))[0];
     return total;
+}
+
+/* The factors f[b] = 2^((mb - m) * scale) that make fused_row's block-relative weights the
+ * row's (token j weighs e[j] * f[j / SB]), and bs[b] = ssum[b] * f[b], each block's weight:
+ * they sum to fused_row's total, product for product. */
+static void block_factors(const float *smax, const float *ssum, long nbk, float m, float scale, float *f, float *bs) {
+    for (long b = 0; b < nbk; b++) {
+        f[b] = ssum[b] > 0 ? exp2_neg(splat((smax[b] - m) * scale))[0] : 0;
+        bs[b] = ssum[b] * f[b];
+    }
 }
 
 /* One token for each of the n rows rows[i] (NULL: i) of logits [*, V] with top_k off, and
@@ -1825,17 +1947,19 @@ void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, lo
 #pragma omp parallel if (n > 1)
     {
         int32_t *work = malloc(sizeof(int32_t) * 5 * V);
-        float *e = malloc(sizeof(float) * (V + 3 * nbk + 3 * c)), *bs = e + V, *vals = bs + nbk, *w = vals + c,
-              *cum = w + c, *sx = cum + c, *ssum = sx + nbk; /* sx, ssum: fused_row's */
+        float *e = malloc(sizeof(float) * (V + 4 * nbk + 3 * c)), *bs = e + V, *vals = bs + nbk, *w = vals + c,
+              *cum = w + c, *sx = cum + c, *ssum = sx + nbk, *f = ssum + nbk; /* sx, ssum, f: fused_row's */
         int32_t *mk = malloc(sizeof(int32_t) * (B > 0 ? V / B + 1 : 1));
         int64_t *ids = malloc(sizeof(int64_t) * c);
+        int fused = B > 0 && SB % B == 0;
+        if (!fused)
+            for (long b = 0; b < nbk; b++) f[b] = 1;
 #pragma omp for schedule(dynamic, 1)
         for (long i = 0; i < n; i++) {
             const float *x = logits + (rows ? rows[i] : i) * V;
-            float p = top_p ? top_p[i] : 1, mp = min_p ? min_p[i] : -1, zf;
-            int fused = B > 0 && SB % B == 0, weighed = !fused; /* weighed: e and bs hold the row's weights */
+            float p = top_p ? top_p[i] : 1, mp = min_p ? min_p[i] : -1, zf = 0;
             if (fused) {
-                zf = (float)fused_row(x, V, B, scale[i], mk, sx, ssum);
+                zf = (float)fused_row(x, V, B, scale[i], mk, sx, ssum, e);
                 top_row_given(x, V, c, B, work, mk, vals, ids);
             } else {
                 top_row(x, V, c, B, work, vals, ids);
@@ -1848,23 +1972,26 @@ void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, lo
             }
             float cand = cum[c - 1], before_last = cand - w[c - 1];
             int cut = c >= V || w[c - 1] == 0 || w[c - 1] < mp; /* the kept set ends inside the candidates */
-            if (weighed) zf = (float)weights_row(x, V, m, scale[i], e, bs);
+            if (!fused) {
+                zf = (float)weights_row(x, V, m, scale[i], e, bs);
+                memcpy(ssum, bs, sizeof(float) * nbk);
+            }
             int inside = cut || (p < 1 && before_last >= p * zf);
             float uz = rounded(u[i] * zf);
-            if (!inside && uz >= cand && !weighed) { /* past the candidates: the weights themselves, */
-                zf = (float)weights_row(x, V, m, scale[i], e, bs);    /* and their own total decides */
-                weighed = 1;
-                inside = cut || (p < 1 && before_last >= p * zf);
-                uz = rounded(u[i] * zf);
-            }
             z[i] = zf;
-            if (!inside && uz >= cand) {
+            if (!inside && uz >= cand) { /* past the candidates */
+                if (fused) block_factors(sx, ssum, nbk, m, scale[i], f, bs);
                 for (long q = 0; q < c; q++) e[ids[q]] = 0; /* the tokens past the candidates */
-                for (long q = 0; q < c; q++) {              /* their blocks' sums again */
-                    long b0 = ids[q] / SB * SB;
-                    bs[b0 / SB] = block_sum(e, b0, b0 + SB < V ? b0 + SB : V);
+                uint64_t seen[nbk / 64 + 1];
+                memset(seen, 0, sizeof seen);
+                for (long q = 0; q < c; q++) { /* their blocks' sums again, once each */
+                    long b = ids[q] / SB;
+                    if (seen[b / 64] >> (b % 64) & 1) continue;
+                    seen[b / 64] |= 1ull << (b % 64);
+                    ssum[b] = block_sum(e, b * SB, (b + 1) * SB < V ? (b + 1) * SB : V);
+                    bs[b] = ssum[b] * f[b];
                 }
-                tokens[i] = draw_past(e, V, bs, uz - cand, zf, w, cum, ids, c, p, mp, (uint64_t)keys[i]);
+                tokens[i] = draw_past(e, V, f, ssum, bs, uz - cand, zf, w, cum, ids, c, p, mp, (uint64_t)keys[i]);
                 continue;
             }
             long kept_n = 0; /* every option keeps a prefix */

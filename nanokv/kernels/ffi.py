@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from functools import lru_cache
 
 import torch
@@ -35,12 +36,23 @@ class NkStep(ctypes.Structure):
         ("keep_n", _L), ("keep", _P)]
 
 
+_threads = threading.local()  # the OpenMP thread count last given to the kernels from this thread
+
+
 def lib():
     """The library of this process's variant (NANOKV_CPU_WIDTH, read on every call; built
-    at its first call), or None: switched off or not buildable."""
+    at its first call), or None: switched off or not buildable. Its parallel regions run
+    on as many threads as torch's ops (torch.get_num_threads(), which torch.set_num_threads
+    changes): the kernels' OpenMP runtime is not torch's, so it is told."""
     if build.switched_off():
         return None
-    return load(build.width())
+    library = load(build.width())
+    if library is not None:
+        n = torch.get_num_threads()
+        if getattr(_threads, "n", None) != (n, id(library)):
+            library.nk_set_threads(n)
+            _threads.n = (n, id(library))
+    return library
 
 
 @lru_cache(maxsize=None)
@@ -67,6 +79,10 @@ def load(width: int | None = None, portable: bool | str = False):
     lib.nk_embed.restype = None
     lib.nk_width.argtypes = []
     lib.nk_width.restype = n
+    lib.nk_set_threads.argtypes = [n]
+    lib.nk_set_threads.restype = None
+    lib.nk_threads.argtypes = []
+    lib.nk_threads.restype = n
     lib.nk_int8_isa.argtypes = []
     lib.nk_int8_isa.restype = ctypes.c_char_p
     lib.nk_decoder_layer.argtypes = [ctypes.POINTER(NkLayer), ctypes.POINTER(NkStep), p, p, ctypes.c_int,

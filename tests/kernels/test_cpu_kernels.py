@@ -352,3 +352,18 @@ def test_last_layer_runs_only_the_rows_that_sample(model_dir, fused):
     assert full.shape == (sum(lens), decoder.norm.weight.shape[0])
     assert torch.equal(kept, full[rows])
     assert none.shape == (0, full.shape[1])
+
+
+def test_kernels_run_on_torchs_thread_count():
+    """The kernels' OpenMP runtime is not torch's: each call gives it torch's thread count,
+    so torch.set_num_threads (bench.py's one-thread runs, one_thread()) holds for them too."""
+    if not kernels.available():
+        pytest.skip("no C compiler: CPU kernels not built")
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 3, 1):
+            torch.set_num_threads(n)
+            assert kernels.ffi.lib().nk_threads() == n
+    finally:
+        torch.set_num_threads(before)
+        kernels.ffi.lib()

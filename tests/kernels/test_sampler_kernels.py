@@ -44,9 +44,11 @@ def test_top_candidates_are_a_full_sorts(width, vocab):  # noqa: F811
             assert torch.equal(ids, ref_ids[rows]) and torch.equal(vals, ref_vals[rows])
 
 
-def test_row_weight_is_the_sum_of_exp2(width):  # noqa: F811
+@pytest.mark.parametrize("block", [0, 16])
+def test_row_weight_is_the_sum_of_exp2(width, block):  # noqa: F811
     """z: the weight of the row, 2 ** ((logit - max) * scale) summed, to float32 rounding;
-    -inf logits weigh 0, weights below 2 ** -126 count as the subnormals they are."""
+    -inf logits weigh 0, weights below 2 ** -126 count as the subnormals they are. block 16:
+    the one-read pass (block maxima and block-relative sums), block 0: the plain one."""
     g = torch.Generator().manual_seed(2)
     vocab, n = 3001, 5
     x = torch.randn(n, vocab, generator=g) * 3
@@ -56,16 +58,16 @@ def test_row_weight_is_the_sum_of_exp2(width):  # noqa: F811
     m = x.amax(dim=1)
     scale = torch.tensor([1.0, 1.7, 1.0, 0.9, 3.0])
     ref = torch.exp2((x.double() - m[:, None].double()) * scale[:, None].double()).sum(dim=1)
-    z = _z(x, scale)
+    z = _z(x, scale, block)
     torch.testing.assert_close(z.double(), ref, rtol=2e-6, atol=0)
     exact = torch.randint(-11, 1, (n, vocab), generator=g).float()  # weights 2 ** -k: exact sums
-    assert torch.equal(_z(exact, torch.ones(n)).double(),
+    assert torch.equal(_z(exact, torch.ones(n), block).double(),
                        torch.exp2(exact.double() - exact.amax(1, keepdim=True).double()).sum(1))
 
 
-def _z(x, scale):
+def _z(x, scale, block=0):
     n = len(x)
-    _, z = kernels.ops.sample_rows(x, None, 4, 0, scale, torch.zeros(n), torch.zeros(n, dtype=torch.long), None, None)
+    _, z = kernels.ops.sample_rows(x, None, 4, block, scale, torch.zeros(n), torch.zeros(n, dtype=torch.long), None, None)
     return z
 
 
