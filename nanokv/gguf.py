@@ -1,14 +1,31 @@
 """GGUF checkpoints (llama.cpp's one-file format) and the built-in model names.
 
 A `.gguf` file carries everything a model directory does: the config, the tokenizer with
-its chat template and EOS id, and the weights (usually quantized). The config and the
-tokenizer come from transformers' GGUF support (`AutoConfig` / `AutoTokenizer` with
-`gguf_file=`), the tensors from the gguf package's reader: `GGUFCheckpoint` opens the file
-the way safetensors' `safe_open` opens a shard, under the Hugging Face tensor names, and
-dequantizes one tensor at a time (to float32; the loader's copy into the model casts it to
-the compute dtype). From there a GGUF takes the safetensors path: fused qkv / gate_up, CPU
-kernel packing, tensor-parallel slices. Only one dequantized tensor lives outside the model
-at a time, so loading needs about the float32 model's size, not twice it.
+its chat template and EOS id, and the weights (usually quantized). What is read how:
+
+- the tensors: `read_tensors` parses the header with `struct` (the metadata is skipped,
+  but for `general.alignment`; then each tensor's name, dims, ggml type and offset) and
+  gives each tensor's data as the gguf package's `GGUFReader` does, a read-only view of
+  the memory-mapped file. `GGUFReader` itself builds a numpy view of every metadata item
+  (a real vocabulary: some 440k of them, seconds), which nanokv does not need.
+  `GGUFCheckpoint` opens the file the way safetensors' `safe_open` opens a shard, under
+  the Hugging Face tensor names, and dequantizes one tensor at a time (gguf.dequantize, to
+  float32; the loader's copy into the model casts it to the compute dtype).
+- the config and the tokenizer: transformers' GGUF support (`AutoConfig` /
+  `AutoTokenizer` with `gguf_file=`, which read the whole file with `GGUFReader`), once
+  per file: `load_config` and `load_tokenizer` keep what transformers derived
+  (`save_pretrained`) under `cache_dir()`, the `gguf` folder of nanokv's cache root
+  ($NANOKV_CACHE_DIR, else $XDG_CACHE_HOME/nanokv or ~/.cache/nanokv; the C kernels are
+  built into its `kernels` folder), in `<file name>-<key>/config` and `.../tokenizer`,
+  the key a hash of the file's real path, size, mtime and inode and the transformers and
+  gguf versions (a rewritten or touched file is a new entry; old entries are never
+  removed). Entries are written atomically (a temporary folder, then os.replace); an
+  entry that cannot be read is derived from the file again and rewritten, and a cache
+  that cannot be written is skipped (logged at INFO): the cache never stops a load.
+
+From there a GGUF takes the safetensors path: fused qkv / gate_up, CPU kernel packing,
+tensor-parallel slices. Only one dequantized tensor lives outside the model at a time, so
+loading needs about the float32 model's size, not twice it.
 
 llama.cpp stores Llama's q/k projections with their rows permuted (its rotary pairs
 neighbouring dims, Hugging Face's pairs the two halves of a head); they are permuted back
@@ -20,14 +37,23 @@ The gguf package (`pip install gguf`, the `gguf` extra) is imported on first use
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.metadata
 import importlib.util
 import logging
+import math
 import os
 import re
+import shutil
+import struct
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
+
+from nanokv.kernels import build
 
 logger = logging.getLogger("nanokv")
 
@@ -107,17 +133,23 @@ def _require_gguf(path: str) -> None:
 
 
 def load_config(path: str):
-    """transformers' config for the file, with `architectures` set (a GGUF config has none)."""
+    """transformers' config for the file, with `architectures` set (a GGUF config has none);
+    read from the cache when it holds the file's."""
     _require_gguf(path)
     from transformers import AutoConfig
 
     supported = ", ".join(ARCHITECTURES)
     directory, name = os.path.split(os.path.abspath(path))
-    try:
-        config = AutoConfig.from_pretrained(directory, gguf_file=name)
-    except Exception as e:  # an architecture transformers cannot read, a damaged file
-        raise ValueError(f"cannot read the config of {path}: {e} (nanokv loads GGUF architectures "
-                         f"{supported})") from e
+    entry = _cache_entry(path, "config")
+    config = _read_cache(entry, AutoConfig.from_pretrained)
+    if config is None:
+        try:
+            config = AutoConfig.from_pretrained(directory, gguf_file=name)
+        except Exception as e:  # an architecture transformers cannot read, a damaged file
+            raise ValueError(f"cannot read the config of {path}: {e} (nanokv loads GGUF architectures "
+                             f"{supported})") from e
+        _write_cache(entry, config)
+    config.name_or_path = directory  # as derived (the cache's copy names the cache)
     if config.model_type not in ARCHITECTURES:
         raise ValueError(f"{path} is a {config.model_type!r} GGUF; nanokv loads GGUF architectures {supported}")
     config.architectures = [ARCHITECTURES[config.model_type]]
@@ -125,15 +157,219 @@ def load_config(path: str):
 
 
 def load_tokenizer(path: str):
-    """transformers' tokenizer for the file, with the chat template the file carries."""
+    """transformers' tokenizer for the file, with the chat template the file carries; read
+    from the cache when it holds the file's."""
     _require_gguf(path)
     from transformers import AutoTokenizer
 
     directory, name = os.path.split(os.path.abspath(path))
+    entry = _cache_entry(path, "tokenizer")
+    tokenizer = _read_cache(entry, AutoTokenizer.from_pretrained)
+    if tokenizer is None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        except Exception as e:
+            raise ValueError(f"cannot load the tokenizer of {path}: {e}") from e
+        _write_cache(entry, tokenizer)
+    tokenizer.name_or_path = directory
+    return tokenizer
+
+
+def cache_dir() -> Path:
+    """The folder of the config / tokenizer cache: `gguf` in nanokv's cache root."""
+    return build.cache_root() / "gguf"
+
+
+def _cache_entry(path: str, kind: str) -> Path | None:
+    """The cache folder of what transformers derives from the file ("config", "tokenizer"),
+    keyed by the file (a rewritten or touched one gets a new key) and the versions of the
+    packages that derive it. None when the file cannot be stat'ed (transformers reports it)."""
+    import transformers
+
+    real = os.path.realpath(path)
     try:
-        return AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    except Exception as e:
-        raise ValueError(f"cannot load the tokenizer of {path}: {e}") from e
+        st = os.stat(real)
+    except OSError:
+        return None
+    try:
+        gguf_version = importlib.metadata.version("gguf")
+    except importlib.metadata.PackageNotFoundError:  # importable, but not installed (a source checkout)
+        gguf_version = None
+    key = (real, st.st_size, st.st_mtime_ns, st.st_ino, transformers.__version__, gguf_version)
+    digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+    return cache_dir() / f"{os.path.basename(real).removesuffix('.gguf')}-{digest}" / kind
+
+
+def _read_cache(entry: Path | None, load):
+    """load(entry) (a `from_pretrained`), or None when the cache has no such entry or it
+    cannot be read: the caller derives it from the file again and rewrites it."""
+    if entry is None or not os.path.isdir(entry):
+        return None
+    try:
+        return load(str(entry))
+    except Exception as e:  # noqa: BLE001 - a damaged entry (a truncated or removed file) must not stop a load
+        logger.info("ignoring the unreadable cache entry %s: %s", entry, e)
+        return None
+
+
+def _write_cache(entry: Path | None, derived) -> None:
+    """derived.save_pretrained() as the cache entry, atomically: written into a temporary
+    folder beside it, then renamed, so a reader never sees half an entry. A concurrent
+    writer that lost the race leaves the winner's entry; a cache that cannot be written is
+    skipped."""
+    if entry is None:
+        return
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent)
+        try:
+            derived.save_pretrained(tmp)
+            shutil.rmtree(entry, ignore_errors=True)  # one that could not be read
+            os.replace(tmp, entry)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # left when another writer's entry is in place
+    except Exception as e:  # noqa: BLE001 - an unwritable root, a full disk, a lost race: load on without it
+        logger.info("not caching %s: %s", entry, e)
+
+
+_VERSIONS = (2, 3)  # the versions the gguf package reads (version 1 had 32-bit counts)
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+# GGUF metadata value types (gguf.GGUFValueType) of a fixed size -> their bytes; the others:
+# a string (u64 length, UTF-8) and an array (u32 item type, u64 count, the items)
+_FIXED_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_UINT32, _STRING, _ARRAY = 4, 8, 9
+# ggml types GGUFReader gives in their numpy dtype; the others (the block types, BF16) as bytes
+_NUMPY_DTYPES = {"F16": "float16", "F32": "float32", "F64": "float64", "I8": "int8", "I16": "int16",
+                 "I32": "int32", "I64": "int64"}
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file, as GGUFReader's ReaderTensor gives it: `data` is a
+    read-only view of the file, [reversed GGUF dims] in its numpy dtype for the float and
+    int types, the blocks' bytes (uint8, gguf.quant_shape_to_byte_shape) for the others, so
+    that gguf.dequantize(data, tensor_type) reads it."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    data: Any  # np.ndarray
+
+
+def read_tensors(path: str) -> list[GGUFTensor]:
+    """The file's tensors, from its header alone (GGUFReader(path).tensors, without its
+    views of every metadata item). ValueError names the path and what is wrong with it."""
+    import gguf
+    import numpy as np
+
+    size = os.path.getsize(path)
+    file = np.memmap(path, mode="r") if size else np.zeros(0, np.uint8)  # uint8 [size]
+    header = _Header(path, memoryview(file))
+    try:
+        infos, data_start = header.parse()
+    except struct.error:  # a read ran off the end
+        raise ValueError(f"{path}: the GGUF header is truncated (the file has {size} bytes); the file is "
+                         "incomplete, download or copy it again") from None
+    tensors = []
+    for name, dims, raw_type, offset in infos:
+        try:
+            qtype = gguf.GGMLQuantizationType(raw_type)
+        except ValueError:
+            raise ValueError(f"{path}: tensor {name} has the unknown ggml type {raw_type}") from None
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        start, nbytes = data_start + offset, math.prod(dims) * type_size // block
+        if start + nbytes > size:
+            raise ValueError(f"{path}: the data of tensor {name} (bytes {start} to {start + nbytes}) runs past the "
+                             f"end of the file ({size} bytes); the file is truncated, download or copy it again")
+        shape = tuple(reversed(dims))
+        data = file[start:start + nbytes]
+        dtype = _NUMPY_DTYPES.get(qtype.name)
+        data = data.view(dtype).reshape(shape) if dtype else data.reshape(gguf.quant_shape_to_byte_shape(shape, qtype))
+        tensors.append(GGUFTensor(name, qtype, data))
+    return tensors
+
+
+class _Header:
+    """A cursor over a GGUF header (little-endian). A read past the end raises struct.error."""
+
+    def __init__(self, path: str, buf: memoryview):
+        self.path, self.buf, self.pos = path, buf, 0
+
+    def fail(self, problem: str):
+        raise ValueError(f"{self.path}: {problem}")
+
+    def u32(self) -> int:
+        (value,) = _U32.unpack_from(self.buf, self.pos)
+        self.pos += 4
+        return value
+
+    def u64(self) -> int:
+        (value,) = _U64.unpack_from(self.buf, self.pos)
+        self.pos += 8
+        return value
+
+    def string(self) -> bytes:
+        n = self.u64()
+        self.pos += n
+        if self.pos > len(self.buf):
+            raise struct.error("a string runs past the end")
+        return bytes(self.buf[self.pos - n:self.pos])
+
+    def skip(self, value_type: int) -> None:
+        if value_type == _STRING:
+            self.pos += 8 + _U64.unpack_from(self.buf, self.pos)[0]
+        elif value_type == _ARRAY:
+            item_type, count = self.u32(), self.u64()
+            if item_type in _FIXED_SIZES:
+                self.pos += count * _FIXED_SIZES[item_type]
+            elif item_type == _STRING:  # a vocabulary: tens of thousands, so the loop is tight
+                pos, buf, unpack = self.pos, self.buf, _U64.unpack_from
+                for _ in range(count):
+                    pos += 8 + unpack(buf, pos)[0]
+                self.pos = pos
+            else:
+                for _ in range(count):
+                    self.skip(item_type)
+        elif value_type in _FIXED_SIZES:
+            self.pos += _FIXED_SIZES[value_type]
+        else:
+            self.fail(f"unknown GGUF metadata value type {value_type}; the file is damaged")
+
+    def parse(self) -> tuple[list[tuple[str, list[int], int, int]], int]:
+        """[(name, GGUF dims, ggml type, offset in the data)] and where the data starts."""
+        if len(self.buf) < 4:
+            raise struct.error("the file ends before the magic")
+        if bytes(self.buf[:4]) != b"GGUF":
+            self.fail(f"not a GGUF file: it starts with {bytes(self.buf[:4])!r}, not b'GGUF'")
+        self.pos = 4
+        version = self.u32()
+        if version & 0xFFFF == 0:  # a small version number read the wrong way round
+            self.fail("a big-endian GGUF file; nanokv reads little-endian ones (llama.cpp's default): convert "
+                      "it with gguf's gguf-convert-endian")
+        if version not in _VERSIONS:
+            self.fail(f"GGUF version {version} is not supported; nanokv reads versions 2 and 3")
+        n_tensors, n_kv = self.u64(), self.u64()
+        alignment = 32  # GGUF's default
+        for _ in range(n_kv):
+            key, value_type = self.string(), self.u32()
+            if key != b"general.alignment":
+                self.skip(value_type)
+                continue
+            if value_type != _UINT32:
+                self.fail(f"general.alignment has the value type {value_type}, not uint32")
+            alignment = self.u32()
+            if alignment == 0 or alignment & (alignment - 1):
+                self.fail(f"general.alignment is {alignment}, not a power of two")
+        infos, names = [], set()
+        for _ in range(n_tensors):
+            name = self.string().decode("utf-8", errors="replace")
+            if name in names:
+                self.fail(f"tensor {name} appears twice")
+            names.add(name)
+            dims = [self.u64() for _ in range(self.u32())]
+            infos.append((name, dims, self.u32(), self.u64()))
+        if self.pos > len(self.buf):  # a skipped value ran off the end
+            raise struct.error("the header runs past the end")
+        return infos, -(-self.pos // alignment) * alignment
 
 
 class _Dequantized:
@@ -160,14 +396,13 @@ class GGUFCheckpoint:
 
         self.path = path
         self.config = hf_config
-        reader = gguf.GGUFReader(path)  # memory-mapped: tensor data is read when dequantized
         arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == hf_config.model_type), None)
         if arch is None or hf_config.model_type not in ARCHITECTURES:
             raise ValueError(f"{path}: GGUF architecture {hf_config.model_type!r} is not supported; nanokv "
                              f"loads {', '.join(ARCHITECTURES)}")
         to_hf = _gguf_to_hf_names(gguf.get_tensor_name_map(arch, hf_config.num_hidden_layers), names)
         self._tensors = {}
-        for t in reader.tensors:
+        for t in read_tensors(path):  # memory-mapped: tensor data is read when dequantized
             if t.name in _SKIPPED:
                 logger.warning("%s: ignoring %s, %s, as transformers does", path, t.name, _SKIPPED[t.name])
                 continue
@@ -180,7 +415,7 @@ class GGUFCheckpoint:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._tensors = {}  # drops the reader's memory map
+        self._tensors = {}  # drops the memory map
 
     def keys(self) -> list[str]:
         return list(self._tensors)

@@ -1,13 +1,23 @@
 """GGUF loading on tiny files of every supported architecture, written here the way
 llama.cpp writes them (Llama's q/k rows permuted, quantized blocks, tied embeddings left
 out), then read by nanokv and by transformers: the same tensors, the same greedy tokens;
-and the errors a bad file or a missing package gives."""
+and the errors a bad file or a missing package gives. nanokv's header reader against the
+gguf package's GGUFReader, and the config / tokenizer cache.
+
+Every test here keeps the config / tokenizer cache in its own tmp_path (an autouse
+fixture), not the user's; the cache tests point NANOKV_CACHE_DIR at a tmp_path instead
+(they build no kernels, whose cache lives under the same root and would be rebuilt)."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import os
+import re
+import shutil
+import struct
+from typing import ClassVar
 
 import pytest
 import torch
@@ -19,6 +29,13 @@ from .conftest import random_prompts
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed: pip install gguf")
 Q = gguf.GGMLQuantizationType
+REAL_CACHE_DIR = nk_gguf.cache_dir
+
+
+@pytest.fixture(autouse=True)
+def private_gguf_cache(monkeypatch, tmp_path):
+    """The config / tokenizer cache of each test in a folder of its own."""
+    monkeypatch.setattr(nk_gguf, "cache_dir", lambda: tmp_path / "gguf-cache")
 
 SHAPES = {  # shape -> (GGUF architecture, overrides: transformers' GGUF config needs these)
     "llama3-tiny": ("llama", dict(rope_scaling=None)),  # GGUF metadata carries no llama3 rope scaling
@@ -222,3 +239,204 @@ def test_tensor_parallel_slices_of_a_gguf(gguf_file):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
     finally:
         llm.close()
+
+
+# ---- the header reader ------------------------------------------------------------------
+
+def write_synthetic(path, alignment: int | None = None) -> str:
+    """A GGUF without a model: metadata of every value type (a string array the size of a
+    small vocabulary, with empty strings; a nested array) and tensors of the float, int,
+    bf16, legacy block and k-quant types in 1 to 3 dims."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    V = gguf.GGUFValueType
+    w = gguf.GGUFWriter(str(path), "llama")
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
+    for i, vtype in enumerate((V.UINT8, V.INT8, V.UINT16, V.INT16, V.UINT32, V.INT32, V.UINT64, V.INT64)):
+        w.add_key_value(f"test.int{i}", i + 1, vtype)
+    w.add_key_value("test.f32", 0.5, V.FLOAT32)
+    w.add_key_value("test.f64", 0.25, V.FLOAT64)
+    w.add_key_value("test.bool", True, V.BOOL)
+    w.add_string("test.string", "naïve")
+    w.add_array("test.strings", ["tok" * (i % 4) + str(i) if i % 7 else "" for i in range(3000)])
+    w.add_array("test.floats", [0.5] * 33)
+    w.add_array("test.nested", [[1, 2, 3], [4]])
+    w.add_tensor("f32", rng.standard_normal((2, 3, 5)).astype(np.float32))
+    w.add_tensor("f16", rng.standard_normal((4, 8)).astype(np.float16))
+    w.add_tensor("i8", rng.integers(-128, 128, 7).astype(np.int8))
+    w.add_tensor("i32", rng.integers(0, 1000, (3, 4)).astype(np.int32))
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    w.add_tensor("bf16", gguf.quantize(x, Q.BF16), raw_dtype=Q.BF16)
+    w.add_tensor("q8_0", gguf.quantize(x, Q.Q8_0), raw_dtype=Q.Q8_0)
+    w.add_tensor("q4_1", gguf.quantize(x[:2], Q.Q4_1), raw_dtype=Q.Q4_1)
+    q4_k = rng.integers(0, 256, gguf.quant_shape_to_byte_shape((4, 256), Q.Q4_K), dtype=np.uint8)
+    w.add_tensor("q4_k", q4_k, raw_dtype=Q.Q4_K)  # random blocks: the writer cannot quantize k-quants
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def assert_reads_as_gguf_reader(path: str) -> list:
+    """nanokv's tensors are GGUFReader's: names, types, dtypes, shapes and bytes."""
+    ours, theirs = nk_gguf.read_tensors(path), gguf.GGUFReader(path).tensors
+    assert [(t.name, t.tensor_type, t.data.dtype, t.data.shape) for t in ours] == \
+        [(t.name, t.tensor_type, t.data.dtype, t.data.shape) for t in theirs]
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.data.tobytes() == b.data.tobytes(), a.name
+    return ours
+
+
+@pytest.mark.parametrize("alignment", [None, 4096])
+def test_header_reader_gives_gguf_readers_tensors(tmp_path, alignment):
+    """Every tensor type, and a general.alignment other than 32 (the data starts elsewhere)."""
+    tensors = assert_reads_as_gguf_reader(write_synthetic(tmp_path / "s.gguf", alignment))
+    assert {t.tensor_type for t in tensors} == {Q.F32, Q.F16, Q.I8, Q.I32, Q.BF16, Q.Q8_0, Q.Q4_1, Q.Q4_K}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_header_reader_on_model_files(shape, gguf_file):
+    assert_reads_as_gguf_reader(gguf_file(shape))
+
+
+def test_header_reader_on_smollm2():
+    try:
+        path = nk_gguf.resolve_model("smollm2")
+    except ValueError as e:
+        pytest.skip(str(e))
+    tensors = assert_reads_as_gguf_reader(path)
+    assert len(tensors) == 272 and {t.tensor_type for t in tensors} == {Q.F32, Q.Q4_1, Q.Q8_0}
+
+
+def _header_size(path: str) -> int:
+    return gguf.GGUFReader(path).data_offset
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda b, h: b"GGUX" + b[4:], "not a GGUF file: it starts with b'GGUX'"),
+    (lambda b, h: b[:4] + struct.pack("<I", 1) + b[8:], "GGUF version 1 is not supported"),
+    (lambda b, h: b[:4] + struct.pack(">I", 3) + b[8:], "a big-endian GGUF file"),
+    (lambda b, h: b"", "the GGUF header is truncated"),
+    (lambda b, h: b[:6], "the GGUF header is truncated"),  # in the version
+    (lambda b, h: b[:20], "the GGUF header is truncated"),  # in the counts
+    (lambda b, h: b[:h // 2], "the GGUF header is truncated"),  # in the string array
+    (lambda b, h: b[:h - 33], "the GGUF header is truncated"),  # in the last tensor's info
+    (lambda b, h: b[:h + 10], "the data of tensor f32 .*runs past the end of the file"),
+    (lambda b, h: b[:-1], "the data of tensor q4_k .*runs past the end of the file"),
+])
+def test_bad_files_name_the_path_and_the_problem(tmp_path, damage, problem):
+    good = write_synthetic(tmp_path / "good.gguf")
+    with open(good, "rb") as f:
+        data = f.read()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(damage(data, _header_size(good)))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(bad))}: {problem}"):
+        nk_gguf.read_tensors(str(bad))
+
+
+# ---- the config / tokenizer cache -------------------------------------------------------
+
+class CountingReader(gguf.GGUFReader):
+    """GGUFReader, counting its files: transformers reads a GGUF through it."""
+
+    opened: ClassVar[list[str]] = []
+
+    def __init__(self, path, *args, **kw):
+        CountingReader.opened.append(os.path.basename(path))
+        super().__init__(path, *args, **kw)
+
+
+@pytest.fixture
+def cache_root(monkeypatch, tmp_path):
+    """NANOKV_CACHE_DIR -> a tmp_path, the cache's real folder under it, GGUFReader counted."""
+    monkeypatch.setattr(nk_gguf, "cache_dir", REAL_CACHE_DIR)
+    monkeypatch.setenv("NANOKV_CACHE_DIR", str(tmp_path / "root"))
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    monkeypatch.setattr(CountingReader, "opened", [])
+    return tmp_path / "root"
+
+
+def tokenizer_facts(tok) -> tuple:
+    text = "<|im_start|>user\nHello, wörld 123!<|im_end|>"
+    ids = tok(text).input_ids
+    return (type(tok).__name__, len(tok), tok.get_vocab(), tok.chat_template, tok.eos_token, tok.bos_token,
+            tok.pad_token, tok.name_or_path, ids, tok(text, add_special_tokens=False).input_ids, tok.decode(ids))
+
+
+def entries(root) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.glob("gguf/*/*"))
+
+
+def test_second_load_reads_the_cache(cache_root, gguf_file):
+    path = gguf_file("qwen2-tiny")
+    config, tokenizer = nk_gguf.load_config(path), nk_gguf.load_tokenizer(path)
+    assert len(CountingReader.opened) == 2  # transformers read the file for each
+    (entry,) = (cache_root / "gguf").iterdir()
+    assert entry.name.startswith("qwen2-tiny.Q8_0-") and sorted(os.listdir(entry)) == ["config", "tokenizer"]
+
+    cached_config, cached_tokenizer = nk_gguf.load_config(path), nk_gguf.load_tokenizer(path)
+    assert len(CountingReader.opened) == 2  # not again: both came from the cache
+    assert cached_config.to_dict() == config.to_dict()
+    assert cached_config.architectures == ["Qwen2ForCausalLM"]
+    assert tokenizer_facts(cached_tokenizer) == tokenizer_facts(tokenizer)
+
+    with nk_gguf.GGUFCheckpoint(path, cached_config, []) as f:  # the tensors: nanokv's reader
+        assert f.keys()
+    assert len(CountingReader.opened) == 2
+
+
+def test_cache_root_is_nanokv_s(monkeypatch, tmp_path):
+    """NANOKV_CACHE_DIR, else $XDG_CACHE_HOME/nanokv: the root the C kernels are built under."""
+    from nanokv.kernels import build
+
+    monkeypatch.setenv("NANOKV_CACHE_DIR", str(tmp_path / "a"))
+    assert REAL_CACHE_DIR() == tmp_path / "a" / "gguf" and build.cache_dir() == tmp_path / "a" / "kernels"
+    monkeypatch.delenv("NANOKV_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert REAL_CACHE_DIR() == tmp_path / "x" / "nanokv" / "gguf"
+
+
+def test_a_changed_file_gets_a_new_entry(cache_root, gguf_file, tmp_path):
+    path = str(tmp_path / "model.gguf")
+    shutil.copy(gguf_file("qwen2-tiny"), path)
+    assert nk_gguf.load_config(path).model_type == "qwen2"
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched
+    assert nk_gguf.load_config(path).model_type == "qwen2"
+    assert len(CountingReader.opened) == 2 and len(entries(cache_root)) == 2
+    shutil.copy(gguf_file("qwen3-tiny"), tmp_path / "new.gguf")
+    os.replace(tmp_path / "new.gguf", path)  # rewritten: another model under the same name
+    assert nk_gguf.load_config(path).model_type == "qwen3"
+    assert len(CountingReader.opened) == 3 and len(entries(cache_root)) == 3
+
+
+@pytest.mark.parametrize("kind, file", [("config", "config.json"), ("tokenizer", "tokenizer.json"),
+                                        ("tokenizer", "tokenizer_config.json")])
+def test_a_damaged_entry_is_derived_again_and_rewritten(cache_root, gguf_file, kind, file, caplog):
+    path = gguf_file("qwen2-tiny")
+    load = nk_gguf.load_config if kind == "config" else nk_gguf.load_tokenizer
+    facts = (lambda c: c.to_dict()) if kind == "config" else tokenizer_facts
+    expected = facts(load(path))
+    (damaged,) = cache_root.glob(f"gguf/*/{kind}/{file}")
+    good = damaged.read_bytes()
+    damaged.write_bytes(good[:len(good) // 2])
+    with caplog.at_level(logging.INFO, logger="nanokv"):
+        assert facts(load(path)) == expected
+    assert len(CountingReader.opened) == 2  # read from the file again
+    assert "ignoring the unreadable cache entry" in caplog.text
+    assert damaged.read_bytes() == good  # rewritten
+    assert facts(load(path)) == expected and len(CountingReader.opened) == 2
+
+
+def test_an_unwritable_cache_root_still_loads(cache_root, gguf_file, caplog):
+    cache_root.write_text("a file, not a folder")
+    path = gguf_file("qwen2-tiny")
+    with caplog.at_level(logging.INFO, logger="nanokv"):
+        for _ in range(2):
+            assert nk_gguf.load_config(path).architectures == ["Qwen2ForCausalLM"]
+            assert nk_gguf.load_tokenizer(path).chat_template.startswith("{% for m in messages %}")
+    assert len(CountingReader.opened) == 4 and cache_root.read_text() == "a file, not a folder"
+    assert caplog.text.count("not caching") == 4

@@ -71,10 +71,15 @@ def can_build() -> bool:
     return not switched_off() and compiler() is not None
 
 
+def cache_root() -> Path:
+    """nanokv's cache: $NANOKV_CACHE_DIR, else $XDG_CACHE_HOME/nanokv or ~/.cache/nanokv
+    (the kernels are built into its `kernels` folder, gguf.py keeps its `gguf` folder)."""
+    return Path(os.environ.get("NANOKV_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "nanokv"))
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("NANOKV_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "nanokv")
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _cpu_signature() -> str:

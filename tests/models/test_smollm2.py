@@ -3,7 +3,8 @@ transformers loaded from the same file (float32, CPU, greedy, token for token), 
 paths, with prefix-cache hits, chunked prefill and preemption.
 
 The GGUF is read by transformers once for the references and dequantized once into a
-float32 model directory (save_dequantized) that the tests after the first load in seconds."""
+float32 model directory (save_dequantized) that the tests after the first load in seconds.
+Its config and tokenizer are cached in a folder of the module's own, not the user's."""
 
 from __future__ import annotations
 
@@ -47,6 +48,16 @@ QUESTIONS = [
     "Who wrote Romeo and Juliet?",
 ]
 CONVERSATIONS = [[{"role": "user", "content": q}] for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gguf_cache(tmp_path_factory):
+    """The config / tokenizer cache: the first load derives them from the file (through
+    transformers), the loads after read them back."""
+    folder = tmp_path_factory.mktemp("gguf-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(nk_gguf, "cache_dir", lambda: folder)
+        yield folder
 
 
 @pytest.fixture(scope="module")
@@ -118,11 +129,13 @@ def assert_same(outputs, expected):
 
 def test_load_matches_transformers(gguf_path, hf, smollm2_dir):
     """The tensors nanokv reads from the file are transformers' (Llama q/k un-permuted,
-    tied embeddings), and so is the config, tokenizer, chat template and EOS id; the
-    dequantized directory holds the same tensors."""
+    tied embeddings), and so is the config, tokenizer, chat template and EOS id, as read
+    back from the cache; the dequantized directory holds the same tensors."""
     from safetensors.torch import load_file
 
     model, tokenizer = hf
+    cached = nk_gguf.cache_dir().glob("SmolLM2-135M-Instruct.Q4_1-*/*")
+    assert sorted(p.name for p in cached) == ["config", "tokenizer"]  # written by smollm2_dir's loads
     state = model.state_dict()
     config = nk_gguf.load_config(gguf_path)
     assert config.architectures == ["LlamaForCausalLM"] and config.tie_word_embeddings
@@ -141,10 +154,11 @@ def test_load_matches_transformers(gguf_path, hf, smollm2_dir):
 
     ours = nk_gguf.load_tokenizer(gguf_path)
     assert ours.chat_template == tokenizer.chat_template and "<|im_start|>" in ours.chat_template
+    assert ours.get_vocab() == tokenizer.get_vocab() and len(ours) == len(tokenizer)
     text = ours.apply_chat_template(CONVERSATIONS[0], tokenize=False, add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")  # the file's
     assert text.endswith("<|im_start|>assistant\n")
-    assert ours(text).input_ids == ours(text, add_special_tokens=False).input_ids  # no BOS added
+    assert ours(text).input_ids == ours(text, add_special_tokens=False).input_ids == tokenizer(text).input_ids  # no BOS
     assert ours.convert_ids_to_tokens(EOS) == "<|im_end|>" == ours.eos_token
 
 
