@@ -1930,16 +1930,27 @@ static void block_factors(const float *smax, const float *ssum, long nbk, float 
     }
 }
 
+/* A row whose draw is past its c candidates whatever they are: every weight is at most 1
+ * (the largest), so c candidates weigh at most c; when top_p's share of the row's weight z
+ * (all of it, top_p off) exceeds that and so does the first uniform's u * z, neither top-p
+ * nor the draw can end inside them (min_p off: it could cut them short). Such a row (flat
+ * distributions: a high temperature, random logits) draws among all its tokens in id
+ * order, without finding its candidates; the same draw, exactly, as far as the
+ * distribution goes (sampler.py's flat rows do the same). */
+static inline int flat_row(float z, float u, long c, long V, float top_p, float min_p) {
+    return min_p <= 0 && c < V && (top_p < 1 ? top_p * z > c : z > c) && rounded(u * z) >= c;
+}
+
 /* One token for each of the n rows rows[i] (NULL: i) of logits [*, V] with top_k off, and
- * z[i], the weight of its row: sampler.py's sample_rows for such rows, whole. Its c
- * candidates (top_row, blocks of B) weighted w = 2^((logit - max) * scale[i]); top_p and
- * min_p (NULL: off) cut inside them, or the first uniform u[i] lands in them: the token is
- * a candidate; else the draw goes on past them (draw_past, its later uniforms from keys[i]).
- * Where B divides SB the row is read once for its block maxima and its weight (fused_row),
- * and only a draw that goes past the candidates weighs every token (weights_row, whose own
- * total then decides: the fused total differs from it by ulps, which moves a draw only at
- * the boundary between the candidates and the rest); a row's token is a function of the
- * row, its settings and its uniforms alone either way. */
+ * z[i], the weight of its row: sampler.py's sample_rows for such rows, whole. Its first
+ * uniform: u[i], or (u NULL or u[i] NaN: a seeded row) nk_uniform(keys[i], 0). A flat row
+ * (flat_row) draws among all its tokens. Otherwise its c candidates (top_row, blocks of B)
+ * weighted w = 2^((logit - max) * scale[i]); top_p and min_p (NULL: off) cut inside them,
+ * or the first uniform lands in them: the token is a candidate; else the draw goes on past
+ * them (draw_past, its later uniforms from keys[i]). Where B divides SB the row is read
+ * once, for its block maxima and its block-relative weights (fused_row), which a draw past
+ * the candidates walks; else weights_row weighs it. A row's token is a function of the row,
+ * its settings and its uniforms alone. */
 void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, long c, long B, const float *scale,
                     const float *u, const int64_t *keys, const float *top_p, const float *min_p, float *z,
                     int64_t *tokens) {
@@ -1958,8 +1969,18 @@ void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, lo
         for (long i = 0; i < n; i++) {
             const float *x = logits + (rows ? rows[i] : i) * V;
             float p = top_p ? top_p[i] : 1, mp = min_p ? min_p[i] : -1, zf = 0;
+            float ui = u && !isnan(u[i]) ? u[i] : nk_uniform((uint64_t)keys[i], 0); /* a seeded row's own */
             if (fused) {
                 zf = (float)fused_row(x, V, B, scale[i], mk, sx, ssum, e);
+                if (flat_row(zf, ui, c, V, p, mp)) { /* no candidates: the draw walks every token */
+                    float m = -INFINITY;
+                    for (long b = 0; b < nbk; b++) m = sx[b] > m ? sx[b] : m;
+                    block_factors(sx, ssum, nbk, m, scale[i], f, bs);
+                    z[i] = zf;
+                    tokens[i] = draw_past(e, V, f, ssum, bs, rounded(ui * zf), zf, w, cum, ids, 0, p, mp,
+                                          (uint64_t)keys[i]);
+                    continue;
+                }
                 top_row_given(x, V, c, B, work, mk, vals, ids);
             } else {
                 top_row(x, V, c, B, work, vals, ids);
@@ -1975,9 +1996,15 @@ void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, lo
             if (!fused) {
                 zf = (float)weights_row(x, V, m, scale[i], e, bs);
                 memcpy(ssum, bs, sizeof(float) * nbk);
+                if (flat_row(zf, ui, c, V, p, mp)) {
+                    z[i] = zf;
+                    tokens[i] = draw_past(e, V, f, ssum, bs, rounded(ui * zf), zf, w, cum, ids, 0, p, mp,
+                                          (uint64_t)keys[i]);
+                    continue;
+                }
             }
             int inside = cut || (p < 1 && before_last >= p * zf);
-            float uz = rounded(u[i] * zf);
+            float uz = rounded(ui * zf);
             z[i] = zf;
             if (!inside && uz >= cand) { /* past the candidates */
                 if (fused) block_factors(sx, ssum, nbk, m, scale[i], f, bs);
@@ -1997,7 +2024,7 @@ void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, lo
             long kept_n = 0; /* every option keeps a prefix */
             for (long q = 0; q < c; q++) kept_n += w[q] > 0 && (p >= 1 || cum[q] - w[q] < p * zf) && w[q] >= mp;
             float kept = cum[kept_n - 1], limit = inside ? kept : cand;
-            float target = u[i] * (inside ? kept : zf);
+            float target = ui * (inside ? kept : zf);
             float t = fminf(target, nextafterf(limit, 0));
             long q = 0;
             while (q < c - 1 && !(cum[q] > t)) q++;
@@ -2007,6 +2034,49 @@ void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, lo
         free(mk);
         free(e);
         free(work);
+    }
+}
+
+/* out[i]: the index of the largest of row i of x [n, V] (the first of equals; the first NaN,
+ * which torch's argmax takes as the largest): torch.argmax(x, dim=1), read once a row (a
+ * row's maximum is found 32 floats at a time, then its first occurrence in the block of 256
+ * that holds it). */
+void nk_argmax_rows(const float *x, long n, long V, int64_t *out) {
+#pragma omp parallel for schedule(static) if (n * V >= (1L << 20))
+    for (long i = 0; i < n; i++) {
+        const float *r = x + i * V;
+        float m = -INFINITY;
+        long at = -1, j = 0; /* at: the block of SB holding m's first occurrence */
+        int nan = 0;
+        for (long b0 = 0; b0 < V && !nan; b0 += SB) {
+            long end = b0 + SB < V ? b0 + SB : V;
+            v8 a0 = (v8){} - INFINITY, a1 = a0, a2 = a0, a3 = a0;
+            v8i bad = {};
+            for (j = b0; j + 32 <= end; j += 32) {
+                v8 v0 = load8(r + j), v1 = load8(r + j + 8), v2 = load8(r + j + 16), v3 = load8(r + j + 24);
+                bad |= (v0 != v0) | (v1 != v1) | (v2 != v2) | (v3 != v3);
+                a0 = max8(v0, a0), a1 = max8(v1, a1), a2 = max8(v2, a2), a3 = max8(v3, a3);
+            }
+            a0 = max8(max8(a0, a1), max8(a2, a3));
+            float bm = a0[0];
+            for (int l = 1; l < 8; l++) bm = a0[l] > bm ? a0[l] : bm;
+            for (; j < end; j++) {
+                bad[0] |= -(r[j] != r[j]);
+                bm = r[j] > bm ? r[j] : bm;
+            }
+            nan = mask_bits8(bad) != 0;
+            if (nan || bm > m || at < 0) {
+                m = bm > m ? bm : m;
+                at = nan || bm >= m ? b0 : at;
+            }
+        }
+        long end = at + SB < V ? at + SB : V, k = at;
+        if (nan) {
+            while (r[k] == r[k]) k++; /* the block holds a NaN */
+        } else {
+            while (k < end - 1 && !(r[k] == m)) k++; /* m is in the block (-0 equals +0: the first) */
+        }
+        out[i] = k;
     }
 }
 

@@ -96,6 +96,8 @@ def load(width: int | None = None, portable: bool | str = False):
     lib.nk_top_candidates.restype = None
     lib.nk_sample_rows.argtypes = [p, i, p, i, i, i, p, p, p, p, p, p, p]
     lib.nk_sample_rows.restype = None
+    lib.nk_argmax_rows.argtypes = [p, i, i, p]
+    lib.nk_argmax_rows.restype = None
     lib.nk_logprobs.argtypes = [p, i, p, i, p, i, i, p, p, p, p]
     lib.nk_logprobs.restype = None
     return lib

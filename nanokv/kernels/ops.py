@@ -290,13 +290,14 @@ def top_candidates(logits: torch.Tensor, k: int, rows: torch.Tensor | None, bloc
 
 
 def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, c: int, block: int, scale: torch.Tensor,
-                u: torch.Tensor, keys: torch.Tensor, top_p: torch.Tensor | None, min_p: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                u: torch.Tensor | None, keys: torch.Tensor, top_p: torch.Tensor | None,
+                min_p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [n] int64, z [n] float32: the weight of each row) for n sampled rows with top_k
     off (rows [n] int64 of logits [N, V], None: all), c candidates each (found with blocks of
-    `block`, 0: none); [n] float32 scale (log2(e) / T), u (the first uniform), top_p and min_p
-    (None: off), int64 keys (of the later uniforms). cpu.c's nk_sample_rows."""
-    n = len(u)
+    `block`, 0: none); [n] float32 scale (log2(e) / T), u (the first uniform; NaN, or u None
+    for every row: the row's seeded_uniform(key, 0)), top_p and min_p (None: off), int64 keys
+    (of the later uniforms, and a seeded row's first). cpu.c's nk_sample_rows."""
+    n = len(keys)
     tokens, z = torch.empty(n, dtype=torch.long), torch.empty(n)
     args = [None if x is None else x.to(dtype).contiguous() for x, dtype in
             [(rows, torch.long), (scale, torch.float32), (u, torch.float32), (keys, torch.long),
@@ -304,6 +305,15 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, c: int, block: 
     lib().nk_sample_rows(logits.data_ptr(), logits.shape[1], ptr(args[0]), n, c, block, *[ptr(x) for x in args[1:]],
                          z.data_ptr(), tokens.data_ptr())
     return tokens, z
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=1) ([N] int64) of contiguous float32 logits [N, V]: the first of
+    equal maxima, the first NaN where a row has one. cpu.c's nk_argmax_rows."""
+    n, vocab = logits.shape
+    out = torch.empty(n, dtype=torch.long)
+    lib().nk_argmax_rows(logits.data_ptr(), n, vocab, out.data_ptr())
+    return out
 
 
 def logprobs(logits: torch.Tensor, rows: torch.Tensor | None, picked: torch.Tensor, k: int, block: int

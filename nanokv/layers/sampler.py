@@ -172,7 +172,10 @@ class Sampler:
             logits[t.banned] = float("-inf")
         if t.penalty_ids is not None:
             apply_penalties(logits, t)
-        tokens = greedy_tokens(logits) if t.all_greedy else self._draw(logits, t, generator)
+        if t.all_greedy:
+            tokens = ops.argmax_rows(logits) if self._kernels(logits) else greedy_tokens(logits)
+        else:
+            tokens = self._draw(logits, t, generator)
         out = SamplerOutput(tokens)
         if t.max_logprobs is not None:
             self._logprobs(logits, t, out)
@@ -299,18 +302,25 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings,
     if any(s.off_list):
         sums = []
         for part, e in _weights(logits, rows, m, scale, scratch):
-            sums.append(e.sum(dim=1))
+            z_part = e.sum(dim=1)
+            sums.append(z_part)
             inside = _inside(cut[part], before[part].gather(1, last[part]).squeeze(1), s.top_p, part,
-                             torch.where(s.top_k_on[part], cand[part], sums[-1]))
-            past[part] = ~inside & (u[part] * sums[-1] >= cand[part])
-            hit = past[part].nonzero().squeeze(1)
-            if len(hit):  # draw these rows now, while their weights are at hand
+                             torch.where(s.top_k_on[part], cand[part], z_part))
+            uz = u[part] * z_part
+            flat = ~s.top_k_on[part] & _flat(z_part, uz, c, vocab, s.top_p, s.min_p, part)
+            past[part] = flat | (~inside & (uz >= cand[part]))
+            # draw these rows now, while their weights are at hand; a flat row's draw walks
+            # every token, as if it had no candidates
+            for hit, n in ((past[part] & ~flat).nonzero().squeeze(1), c), (flat.nonzero().squeeze(1), 0):
+                if len(hit) == 0:
+                    continue
+                rows_e = e
                 if len(hit) < len(e):
-                    out = None if scratch is None else scratch(1, len(hit), vocab)
-                    e = torch.index_select(e, 0, hit, out=out)
+                    out = None if scratch is None or n == 0 else scratch(1, len(hit), vocab)
+                    rows_e = torch.index_select(e, 0, hit, out=out)
                 at = hit + part.start
                 tokens[at] = _draw_past_candidates(
-                    e, w[at, :c], cum[at, :c], ids[at, :c], u[at] * sums[-1][hit] - cand[at], sums[-1][hit],
+                    rows_e, w[at, :n], cum[at, :n], ids[at, :n], uz[hit] - (cand[at] if n else 0), z_part[hit],
                     None if s.top_p is None else s.top_p[at], None if s.min_p is None else s.min_p[at],
                     [keys[i] for i in at.tolist()], generator)
         z = torch.cat(sums)
@@ -341,7 +351,7 @@ def _sample_rows_c(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettin
     c = min(CANDIDATES, vocab)
     part_keys = [keys[i] for i in off]
     drawn, _ = ops.sample_rows(logits, index if rows is None else rows[index], c, _block(vocab, c), part.scale,
-                               uniforms(part_keys, 0, generator, logits.device), _later_keys(part_keys, generator),
+                               _first_uniforms_c(part_keys, generator), _later_keys(part_keys, generator),
                                part.top_p, part.min_p)
     if not on:
         return drawn
@@ -353,6 +363,21 @@ def _sample_rows_c(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettin
     return tokens
 
 
+def _first_uniforms_c(keys: list[int | None], generator: torch.Generator | None) -> torch.Tensor | None:
+    """uniforms(keys, 0) as nk_sample_rows takes them: the generator's for the rows without a
+    key, NaN for the seeded rows (the C draw computes their seeded_uniform(key, 0) itself);
+    None when every row is seeded."""
+    free = [i for i, k in enumerate(keys) if k is None]
+    if not free:
+        return None
+    u = torch.rand(len(keys), generator=generator)
+    if len(free) < len(keys):
+        seeded = torch.ones(len(keys), dtype=torch.bool)
+        seeded[free] = False
+        u[seeded] = float("nan")
+    return u
+
+
 def _later_keys(keys: list[int | None], generator: torch.Generator | None) -> torch.Tensor:
     """[n] int64: the keys of each row's later uniforms (seeded_uniform(key, 1, 2, ...)) in the
     C draw: seeded rows' own, a key from the generator for the others."""
@@ -361,6 +386,20 @@ def _later_keys(keys: list[int | None], generator: torch.Generator | None) -> to
     if free:
         out[free] = torch.randint(0, 1 << 62, (len(free),), generator=generator)
     return out
+
+
+def _flat(z: torch.Tensor, uz: torch.Tensor, c: int, vocab: int, top_p: torch.Tensor | None,
+          min_p: torch.Tensor | None, part: slice) -> torch.Tensor:
+    """Rows (of a chunk, top_k off) whose draw is past their c candidates whatever they are
+    (cpu.c's flat_row): every weight is at most 1, so c candidates weigh at most c; when
+    top_p's share of the row's weight z (all of it, top_p off) exceeds that and so does
+    u * z, neither top-p nor the draw ends inside them (min_p off). Such a row draws among
+    all its tokens in id order."""
+    ok = (uz >= c) & (c < vocab)
+    ok &= z > c if top_p is None else torch.where(top_p[part] < 1, top_p[part] * z > c, z > c)
+    if min_p is not None:
+        ok &= min_p[part] <= 0
+    return ok
 
 
 def _inside(cut: torch.Tensor, before_last: torch.Tensor, top_p: torch.Tensor | None, part: slice,
@@ -421,7 +460,8 @@ def _draw_past_candidates(e, w, cum, ids, rest, z, top_p, min_p, keys, generator
         target = uniforms(keys, draw, generator, e.device) * (cand + e.sum(dim=1))
         draw += 1
         inside = target < cand
-        tokens[live[inside]] = _locate(cum, ids, target)[inside]
+        if cum.shape[1]:  # none for a flat row
+            tokens[live[inside]] = _locate(cum, ids, target)[inside]
         past = (~inside).nonzero().squeeze(1)
         if len(past) == 0:
             return tokens

@@ -145,3 +145,47 @@ def test_c_draw_is_independent_of_the_thread_count(width):  # noqa: F811
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+
+
+def test_c_draw_computes_a_seeded_rows_first_uniform_itself(width):  # noqa: F811
+    """u None (every row seeded) or NaN for a row: the C draw takes seeded_uniform(key, 0),
+    bit for bit, so the tokens equal those drawn from the uniforms computed in Python."""
+    g = torch.Generator().manual_seed(21)
+    n, vocab = 48, 5000
+    logits = torch.randn(n, vocab, generator=g) * torch.linspace(0.5, 6, n)[:, None]  # flat to peaked rows
+    keys = torch.randint(0, 1 << 62, (n,), generator=g)
+    u = torch.tensor([sampler_module.seeded_uniform(int(k), 0) for k in keys])
+    scale, top_p = torch.full((n,), math.log2(math.e) / 0.8), torch.full((n,), 0.9)
+    block = sampler_module._block(vocab, 64)
+
+    def draw(first):
+        return kernels.ops.sample_rows(logits, None, 64, block, scale, first, keys, top_p, None)[0]
+
+    ref = draw(u)
+    assert len(set(ref.tolist())) > n // 2
+    assert torch.equal(draw(None), ref)
+    mixed = u.clone()
+    mixed[::3] = float("nan")
+    assert torch.equal(draw(mixed), ref)
+    other = u.clone()
+    other[1::3] = 1 - other[1::3]  # the rows given their own uniform take it
+    assert not torch.equal(draw(other), ref)
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 300, 1024, 49152])
+def test_argmax_rows_is_torchs_argmax(width, vocab):  # noqa: F811
+    """Greedy ids in C: torch.argmax's, the first of equal maxima, the first NaN, -0 beside
+    +0, rows of -inf; many rows (the threaded path) and few."""
+    g = torch.Generator().manual_seed(vocab)
+    for n in (7, (1 << 20) // vocab + 1):
+        x = torch.randn(n, vocab, generator=g)
+        x[1] = torch.randint(-3, 2, (vocab,), generator=g).float()  # ties at the maximum
+        x[2] = float("-inf")
+        x[3, vocab // 2:] = float("nan")
+        x[4] = 0.0
+        x[4, ::2] = -0.0
+        x[5, -1] = 100.0  # in the ragged end
+        if vocab > 3:
+            x[6, 3] = float("nan")
+            x[6, 1] = float("inf")
+        assert torch.equal(kernels.ops.argmax_rows(x), x.argmax(dim=1)), n
