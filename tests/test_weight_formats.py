@@ -33,6 +33,9 @@ def _generate(llm, prompts, logprobs=None):
     (dict(quantization="int8", quantize_lm_head=True), "int8", "int8"),
 ])
 def test_every_projection_is_packed_in_its_format(model_dir, kwargs, weights, lm_head):
+    # quantization="int8" packs the int8 layout the library computes fastest: int8 dot
+    # products with VNNI, int8 weights widened into the float32 FMAs (int8w) without
+    weights, lm_head = (kernels.int8_format() if f == "int8" else f for f in (weights, lm_head))
     llm = LLM(model_dir, max_model_len=128, **kwargs)
     config, runner = llm.llm_engine.config, llm.llm_engine.runner
     assert config.dtype == torch.float32  # activations, KV cache and accumulation stay float32
@@ -85,11 +88,13 @@ def test_bfloat16_weights_of_a_bfloat16_checkpoint_equal_float32(checkpoint, sha
 class _Int8Hooks:
     """transformers' model running nanokv's int8 arithmetic in torch: every projection (and
     the LM head, when asked) on int8 weights with its per-output-channel scale, its input
-    quantized per 32 values (float64 sums: the kernels' float32 rounding differs slightly).
-    A tied embedding then reads the head's int8 rows, as nanokv's does."""
+    quantized per 32 values where the kernels quantize it (the int8 format; int8w keeps it
+    float32) (float64 sums: the kernels' float32 rounding differs slightly). A tied
+    embedding then reads the head's int8 rows, as nanokv's does."""
 
-    def __init__(self, model, with_head: bool):
+    def __init__(self, model, with_head: bool, quantize_activations: bool):
         self.handles = []
+        self.quantize_activations = quantize_activations
         head = model.get_output_embeddings()
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and (with_head or module is not head):
@@ -101,10 +106,12 @@ class _Int8Hooks:
                     self.handles.append(model.get_input_embeddings().register_forward_hook(
                         lambda m, args, out, rows=rows: torch.nn.functional.embedding(args[0], rows)))
 
-    @staticmethod
-    def _make(weight):
+    def _make(self, weight):
         def hook(module, args, output):
             x = args[0].double()
+            if not self.quantize_activations:
+                out = x @ weight.t()
+                return (out if module.bias is None else out + module.bias.double()).to(output.dtype)
             k = x.shape[-1]
             kp = -(-k // 32) * 32
             xp = torch.nn.functional.pad(x, (0, kp - k)).unflatten(-1, (kp // 32, 32))
@@ -131,7 +138,7 @@ def test_int8_agrees_with_transformers_running_the_same_quantization(checkpoint,
     llm = LLM(model_dir, max_model_len=256, quantization="int8", quantize_lm_head=with_head)
     got = [o.outputs[0].token_ids for o in _generate(llm, prompts)]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    _Int8Hooks(model, with_head)
+    _Int8Hooks(model, with_head, kernels.int8_format() == "int8")
     agree = total = 0
     with torch.inference_mode():
         for prompt, tokens in zip(prompts, got):

@@ -28,6 +28,12 @@
  *            is an exact int32 dot product (AVX512-VNNI or AVX-VNNI where compiled for,
  *            AVX2's maddubs otherwise, plain C elsewhere: all give the same integers), then
  *            out += block scale * sum in float32, blocks in order, times the column scale.
+ *   NK_INT8W int8 [K][16] (k-major like float32, then the 16 column scales): weight-only
+ *            int8, the same symmetric per-column quantization; each weight widened to
+ *            float32 (exact) in the float32 kernel's FMAs over unquantized activations, the
+ *            sum times the column scale. Where int8 dot products are slow (AVX2's maddubs
+ *            shares a port with the FMAs, and the activations need quantizing) this is the
+ *            faster int8 path, and the more accurate one.
  */
 #include <math.h>
 #include <stdint.h>
@@ -63,7 +69,7 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 #define NR 16          /* output columns per packed weight panel, at either width */
 #define NV (NR / VW)   /* vectors per panel row */
 
-enum { NK_F32 = 0, NK_BF16 = 1, NK_INT8 = 2 };
+enum { NK_F32 = 0, NK_BF16 = 1, NK_INT8 = 2, NK_INT8W = 3 };
 
 static inline vf loadv(const float *p) { return *(const vfu *)p; }
 static inline void storev(float *p, vf v) { *(vfu *)p = v; }
@@ -227,6 +233,19 @@ static inline __attribute__((always_inline)) void store_glu_row(const vf *a, flo
     }
 }
 
+typedef int8_t v8q8 __attribute__((vector_size(8), aligned(1)));
+
+/* 8 int8 values at p widened to float32. GCC 12 scalarizes __builtin_convertvector from
+ * int8 (a movsx and a cvtsi2ss per value, measured 3x slower than the float32 cache), so
+ * the AVX2 sign extension is spelled out. */
+static inline __attribute__((always_inline)) v8 widen8(const char *p) {
+#if defined(__AVX2__) && !defined(NK_PORTABLE)
+    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    return __builtin_convertvector(*(const v8q8 *)p, v8);
+#endif
+}
+
 /* w[0, NV) = panel row k of float32 / bfloat16 weights. A bfloat16 is the top half of a
  * float32; a bfloat16 panel row stores its columns in the order 0, 8, 1, 9, .. 7, 15, so
  * that the even 16-bit words (shifted up) are columns 0-7 and the odd ones (masked) 8-15:
@@ -245,6 +264,30 @@ static inline __attribute__((always_inline)) void load_bf16_row(const char *wp, 
     w[0] = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 #endif
 }
+
+/* w[0, NV) = panel row k of int8w weights, widened (exact); the column scales come at the store */
+static inline __attribute__((always_inline)) void load_q8w_row(const char *wp, long k, vf *w) {
+    v8 lo = widen8(wp + k * NR), hi = widen8(wp + k * NR + 8);
+#if VW == 8
+    w[0] = lo, w[1] = hi;
+#else
+    w[0] = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+}
+
+/* an int8w tile row: its sums times the panel's column scales (after its K rows), then the
+ * GEMM or gate/up epilogue */
+static inline __attribute__((always_inline)) void store_q8w_row(const vf *a, float *o, int ncols, const float *bias,
+                                                                const float *scale, int glu) {
+    vf s[NV];
+    for (int v = 0; v < NV; v++) s[v] = a[v] * loadv(scale + v * VW);
+    if (glu)
+        store_glu_row(s, o, ncols, bias);
+    else
+        store_gemm_row(s, o, ncols, bias);
+}
+#define STORE_Q8W_GEMM(a, o, ncols, bias) store_q8w_row(a, o, ncols, bias, (const float *)(wp + K * NR), 0)
+#define STORE_Q8W_GLU(a, o, ncols, bias) store_q8w_row(a, o, ncols, bias, (const float *)(wp + K * NR), 1)
 
 /* a[r][v] = x[r] . (the panel's columns v * VW ..), r < ROWS, summed over k in order; pf: the
  * next panel, prefetched a line per k (NULL: nothing to prefetch). Two copies of the k loop,
@@ -284,7 +327,9 @@ static inline __attribute__((always_inline)) void load_bf16_row(const char *wp, 
     DEFINE_FLOAT_TILE(gemm_f32, ROWS, load_f32_row, NR * 4, store_gemm_row)                 \
     DEFINE_FLOAT_TILE(glu_f32, ROWS, load_f32_row, NR * 4, store_glu_row)                   \
     DEFINE_FLOAT_TILE(gemm_bf16, ROWS, load_bf16_row, NR * 2, store_gemm_row)               \
-    DEFINE_FLOAT_TILE(glu_bf16, ROWS, load_bf16_row, NR * 2, store_glu_row)
+    DEFINE_FLOAT_TILE(glu_bf16, ROWS, load_bf16_row, NR * 2, store_glu_row)                   \
+    DEFINE_FLOAT_TILE(gemm_q8w, ROWS, load_q8w_row, NR, STORE_Q8W_GEMM)                      \
+    DEFINE_FLOAT_TILE(glu_q8w, ROWS, load_q8w_row, NR, STORE_Q8W_GLU)
 DEFINE_FLOAT_TILES(1)
 DEFINE_FLOAT_TILES(2)
 DEFINE_FLOAT_TILES(3)
@@ -301,6 +346,7 @@ DEFINE_FLOAT_TILES(8)
 #define FLOAT_TILES(name) {0, name##_1, name##_2, name##_3, name##_4, name##_5, name##_6 TILES_7_8(name)}
 static const tile_fn GEMM_F32[MR + 1] = FLOAT_TILES(gemm_f32), GLU_F32[MR + 1] = FLOAT_TILES(glu_f32);
 static const tile_fn GEMM_BF16[MR + 1] = FLOAT_TILES(gemm_bf16), GLU_BF16[MR + 1] = FLOAT_TILES(glu_bf16);
+static const tile_fn GEMM_Q8W[MR + 1] = FLOAT_TILES(gemm_q8w), GLU_Q8W[MR + 1] = FLOAT_TILES(glu_q8w);
 
 /* ---- int8 weights ----------------------------------------------------------------------
  * Panel layout: K is padded to Kp, a multiple of QB = 32; for each block of 32 k, 8 groups
@@ -537,6 +583,7 @@ static void run_panels(const tile_fn *fn, int mr, const struct gemm *g) {
 /* bytes of one packed panel of K rows */
 long nk_panel_bytes(int fmt, long K) {
     if (fmt == NK_INT8) return nk_q8_padded_k(K) / QB * Q8_BLOCK_BYTES + NR * 4;
+    if (fmt == NK_INT8W) return K * NR + NR * 4;
     return K * NR * (fmt == NK_BF16 ? 2 : 4);
 }
 
@@ -550,6 +597,10 @@ static void gemm(int fmt, int glu, const float *x, long M, long K, const void *w
     }
     if (fmt == NK_BF16) {
         run_panels(glu ? GLU_BF16 : GEMM_BF16, MR, &g);
+        return;
+    }
+    if (fmt == NK_INT8W) {
+        run_panels(glu ? GLU_Q8W : GEMM_Q8W, MR, &g);
         return;
     }
     g.Kp = nk_q8_padded_k(K);
@@ -593,6 +644,9 @@ void nk_embed(const int64_t *ids, long T, const void *w, int fmt, long K, float 
                 uint32_t bits = (uint32_t)((const uint16_t *)panel)[k * NR + at] << 16;
                 memcpy(o + k, &bits, 4);
             }
+        } else if (fmt == NK_INT8W) {
+            float scale = ((const float *)(panel + K * NR))[j];
+            for (long k = 0; k < K; k++) o[k] = (float)((const int8_t *)panel)[k * NR + j] * scale;
         } else {
             float scale = ((const float *)(panel + nb * Q8_BLOCK_BYTES))[j];
             for (long k = 0; k < K; k++) {
@@ -626,19 +680,6 @@ static inline float row_sum(const float *x, long D) {
     vf a = splat(0);
     for (long d = 0; d < D; d += VW) a += loadv_part(x + d, D - d);
     return hsum(a);
-}
-
-typedef int8_t v8q8 __attribute__((vector_size(8), aligned(1)));
-
-/* 8 int8 values at p widened to float32. GCC 12 scalarizes __builtin_convertvector from
- * int8 (a movsx and a cvtsi2ss per value, measured 3x slower than the float32 cache), so
- * the AVX2 sign extension is spelled out. */
-static inline __attribute__((always_inline)) v8 widen8(const char *p) {
-#if defined(__AVX2__) && !defined(NK_PORTABLE)
-    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-#else
-    return __builtin_convertvector(*(const v8q8 *)p, v8);
-#endif
 }
 
 /* Pages sit anywhere in the pool, so the hardware prefetcher cannot guess the next one:

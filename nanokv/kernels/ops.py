@@ -65,7 +65,8 @@ def huge_pages(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-FORMATS = {"float32": 0, "bfloat16": 1, "int8": 2}  # weight formats of the GEMMs (cpu.c's NK_F32, ...)
+FORMATS = {"float32": 0, "bfloat16": 1, "int8": 2, "int8w": 3}  # weight formats of the GEMMs (cpu.c's NK_F32, ...)
+INT8_FORMATS = ("int8", "int8w")  # int8 dot products (activations quantized too), int8 weights only
 QB = 32  # int8: activations are quantized in blocks of QB along K, weights' K is padded to it
 
 
@@ -74,7 +75,8 @@ class PackedWeight:
     """W [n, k] packed once for the GEMM kernels, in panels of NR output columns (zero padded):
     float32 data [panels, k, NR] (data[p, k, j] = W[p * NR + j, k]); bfloat16 the same with
     each panel's columns in BF16_ORDER; int8 a byte tensor [panels, panel_bytes] (cpu.c:
-    blocks of 32 k, column sums, column scales)."""
+    blocks of 32 k, column sums, column scales); int8w a byte tensor [panels, k * NR + 4 *
+    NR] (the int8 weights as float32's [k, NR], then the column scales)."""
 
     data: torch.Tensor
     n: int
@@ -91,7 +93,7 @@ class PackedWeight:
 
     def unpack(self) -> torch.Tensor:
         """The float32 [n, k] matrix the kernel multiplies by (int8: dequantized)."""
-        if self.format != "int8":
+        if self.format not in INT8_FORMATS:
             data = self.data if self.format == "float32" else self.data[:, :, _BF16_INVERSE]
             return data.float().transpose(1, 2).reshape(-1, self.k)[:self.n]
         q, scale = self.int8()
@@ -99,8 +101,12 @@ class PackedWeight:
 
     def int8(self) -> tuple[torch.Tensor, torch.Tensor]:
         """int8 weights: (q int8 [n, k], scale float32 [n]), W ~ q * scale."""
-        assert self.format == "int8"
+        assert self.format in INT8_FORMATS
         panels, kp = self.data.shape[0], -(-self.k // QB) * QB
+        if self.format == "int8w":
+            q = self.data[:, :self.k * NR].view(torch.int8).view(panels, self.k, NR).transpose(1, 2)
+            scale = self.data[:, self.k * NR:].contiguous().view(torch.float32).reshape(-1)[:self.n]
+            return q.reshape(panels * NR, self.k)[:self.n], scale
         blocks = self.data[:, :kp // QB * _Q8_BLOCK].view(panels, kp // QB, _Q8_BLOCK)
         q = blocks[:, :, :QB * NR].reshape(panels, kp // QB, QB // 4, NR, 4).view(torch.int8)
         q = q.permute(0, 3, 1, 2, 4).reshape(panels * NR, kp)[:self.n, :self.k]
@@ -135,6 +141,8 @@ def pack_weight(weight: torch.Tensor, format: str = "float32") -> PackedWeight:
     panels = -(-n // NR)
     if format == "int8":
         return PackedWeight(_pack_int8(weight, panels), n, k, format)
+    if format == "int8w":
+        return PackedWeight(_pack_int8w(weight, panels), n, k, format)
     dtype = torch.float32 if format == "float32" else torch.bfloat16
     padded = torch.zeros(panels * NR, k, dtype=dtype, device=weight.device)
     padded[:n] = weight  # bfloat16: rounded to nearest even
@@ -160,6 +168,27 @@ def _pack_int8(weight: torch.Tensor, panels: int) -> torch.Tensor:
     blocks[:, :, QB * NR:] = sums.contiguous().view(torch.uint8).view(panels, nb, NR * 4)
     out[:, nb * _Q8_BLOCK:] = sp.view(panels, NR).view(torch.uint8)
     return out
+
+
+def _pack_int8w(weight: torch.Tensor, panels: int) -> torch.Tensor:
+    n, k = weight.shape
+    q, scale = quantize_int8(weight)
+    qp = torch.zeros(panels * NR, k, dtype=torch.int8)
+    qp[:n] = q
+    sp = torch.zeros(panels * NR)
+    sp[:n] = scale
+    out = huge_pages(torch.empty(panels, k * NR + NR * 4, dtype=torch.uint8))
+    out[:, :k * NR] = qp.view(panels, NR, k).transpose(1, 2).reshape(panels, k * NR).view(torch.uint8)
+    out[:, k * NR:] = sp.view(panels, NR).view(torch.uint8)
+    return out
+
+
+def int8_format() -> str:
+    """The int8 weight format the library computes fastest: int8 dot products where the
+    compiler targeted VNNI (one instruction multiplies and adds 4 int8 pairs per lane), else
+    int8w (weight-only: AVX2's int8 multiplies share a port with the FMAs and the
+    activations need quantizing, so widening the weights into the float32 FMAs is faster)."""
+    return "int8" if lib().nk_int8_isa() in (b"avx512vnni", b"avxvnni") else "int8w"
 
 
 def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -62,7 +62,11 @@ def choose_kernels(dtype: torch.dtype, device: torch.device, attention_backend: 
     fused = cpu and tp_size == 1 and backend == "cpu" and check_activation(hf_config) in SILU_NAMES
     if not cpu:
         return KernelChoice(False, False, backend)
-    return KernelChoice(cpu, fused, backend, weights or "float32", lm_head or "float32")
+
+    def packed(fmt):  # quantization="int8": the int8 layout this library computes fastest
+        return kernels.int8_format() if fmt == "int8" else fmt or "float32"
+
+    return KernelChoice(cpu, fused, backend, packed(weights), packed(lm_head))
 
 
 class CustomOp(nn.Module):
