@@ -23,11 +23,11 @@ first kernel call) does, once.
 from nanokv.kernels.build import can_build
 from nanokv.kernels.ffi import NkLayer, NkStep, available, ptr
 from nanokv.kernels.ops import (FORMATS, NR, OutputBuffer, PackedWeight, decoder_layer, embed, huge_pages,
-                                int8_format, interleave_gate_up, linear, linear_silu_mul, pack_gate_up, pack_weight,
-                                paged_attention, qk_norm_rope, quantize_int8, release_free_memory, rmsnorm,
-                                store_kv)
+                                int8_format, interleave_gate_up, linear, linear_silu_mul, pack_gate_up,
+                                pack_weight, paged_attention, qk_norm_rope, quantize_int8, release_free_memory,
+                                rmsnorm, store_kv)
 
 __all__ = ["FORMATS", "NR", "NkLayer", "NkStep", "OutputBuffer", "PackedWeight", "available", "can_build",
-           "decoder_layer", "embed", "huge_pages", "int8_format", "interleave_gate_up", "linear", "linear_silu_mul", "pack_gate_up",
-           "pack_weight", "paged_attention", "ptr", "qk_norm_rope", "quantize_int8", "release_free_memory", "rmsnorm",
-           "store_kv"]
+           "decoder_layer", "embed", "huge_pages", "int8_format", "interleave_gate_up", "linear", "linear_silu_mul",
+           "pack_gate_up", "pack_weight", "paged_attention", "ptr", "qk_norm_rope", "quantize_int8",
+           "release_free_memory", "rmsnorm", "store_kv"]

@@ -152,14 +152,22 @@ def pack_weight(weight: torch.Tensor, format: str = "float32") -> PackedWeight:
     return PackedWeight(out.copy_(padded.view(panels, NR, k).transpose(1, 2)), n, k, format)
 
 
-def _pack_int8(weight: torch.Tensor, panels: int) -> torch.Tensor:
-    n, k = weight.shape
-    kp, nb = -(-k // QB) * QB, -(-k // QB)
+def _quantized_panels(weight: torch.Tensor, panels: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_int8(weight), zero padded: q [panels * NR, k] int8 (k >= the weight's K),
+    scale [panels * NR]."""
+    n, wk = weight.shape
     q, scale = quantize_int8(weight)
-    qp = torch.zeros(panels * NR, kp, dtype=torch.int8)
-    qp[:n, :k] = q
+    qp = torch.zeros(panels * NR, k, dtype=torch.int8)
+    qp[:n, :wk] = q
     sp = torch.zeros(panels * NR)
     sp[:n] = scale
+    return qp, sp
+
+
+def _pack_int8(weight: torch.Tensor, panels: int) -> torch.Tensor:
+    k = weight.shape[1]
+    kp, nb = -(-k // QB) * QB, -(-k // QB)
+    qp, sp = _quantized_panels(weight, panels, kp)
     out = huge_pages(torch.empty(panels, int8_panel_bytes(k), dtype=torch.uint8))
     blocks = out[:, :nb * _Q8_BLOCK].view(panels, nb, _Q8_BLOCK)
     quads = qp.view(panels, NR, nb, QB // 4, 4).permute(0, 2, 3, 1, 4)  # [panel, block, quad, column, 4]
@@ -171,12 +179,8 @@ def _pack_int8(weight: torch.Tensor, panels: int) -> torch.Tensor:
 
 
 def _pack_int8w(weight: torch.Tensor, panels: int) -> torch.Tensor:
-    n, k = weight.shape
-    q, scale = quantize_int8(weight)
-    qp = torch.zeros(panels * NR, k, dtype=torch.int8)
-    qp[:n] = q
-    sp = torch.zeros(panels * NR)
-    sp[:n] = scale
+    k = weight.shape[1]
+    qp, sp = _quantized_panels(weight, panels, k)
     out = huge_pages(torch.empty(panels, k * NR + NR * 4, dtype=torch.uint8))
     out[:, :k * NR] = qp.view(panels, NR, k).transpose(1, 2).reshape(panels, k * NR).view(torch.uint8)
     out[:, k * NR:] = sp.view(panels, NR).view(torch.uint8)

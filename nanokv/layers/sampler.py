@@ -367,14 +367,11 @@ def _first_uniforms_c(keys: list[int | None], generator: torch.Generator | None)
     """uniforms(keys, 0) as nk_sample_rows takes them: the generator's for the rows without a
     key, NaN for the seeded rows (the C draw computes their seeded_uniform(key, 0) itself);
     None when every row is seeded."""
-    free = [i for i, k in enumerate(keys) if k is None]
-    if not free:
+    seeded = [i for i, k in enumerate(keys) if k is not None]
+    if len(seeded) == len(keys):
         return None
     u = torch.rand(len(keys), generator=generator)
-    if len(free) < len(keys):
-        seeded = torch.ones(len(keys), dtype=torch.bool)
-        seeded[free] = False
-        u[seeded] = float("nan")
+    u[seeded] = float("nan")
     return u
 
 
