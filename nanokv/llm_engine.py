@@ -207,7 +207,7 @@ class LLMEngine:
         batch, output, failed = self._execute(batch)
         with _sigint_deferred():
             self._apply(batch, output, failed)
-        decodes = sum(1 for s in batch.seqs if len(s.token_ids) == 1 and s.num_generated > 0)
+        decodes = _num_decodes(batch)
         self.last_step = StepStats(batch.num_tokens - decodes, decodes, time.perf_counter() - start)
 
     def _execute(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, StepOutput, dict[str, str]]:
@@ -286,6 +286,16 @@ class LLMEngine:
 
     def _emit(self, req: RequestState, out: RequestOutput) -> None:
         (req.sink if req.sink is not None else self._unclaimed).append(out)
+
+
+_NUM_GENERATED = operator.attrgetter("num_generated")
+
+
+def _num_decodes(batch: ScheduledBatch) -> int:
+    """The batch's decodes: one token of a sequence past its prompt."""
+    if batch.num_tokens == len(batch.seqs):  # one token each: one C-level pass
+        return len(batch.seqs) - list(map(_NUM_GENERATED, batch.seqs)).count(0)
+    return sum(1 for s in batch.seqs if len(s.token_ids) == 1 and s.num_generated > 0)
 
 
 def check_text(text: str, what: str) -> None:

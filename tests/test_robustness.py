@@ -101,10 +101,10 @@ def poisoned(llm, monkeypatch):
     runner = llm.llm_engine.runner
     real = runner._sampling_tensors
 
-    def sampling_tensors(rows, vocab):
+    def sampling_tensors(rows, vocab, *step):
         if any(s.seed == POISON_SEED for s in rows):
             raise IndexError("poisoned row")
-        return real(rows, vocab)
+        return real(rows, vocab, *step)
 
     monkeypatch.setattr(runner, "_sampling_tensors", sampling_tensors)
     return llm

@@ -195,6 +195,41 @@ def test_min_tokens_bans_stop_tokens_in_every_sampling_path(llm):
     assert torch.isin(draw(3), torch.tensor([0, 3, 7])).float().mean() > 0.5
 
 
+def test_settings_carried_across_steps_equal_settings_built_afresh(llm):
+    """Steps whose rows hold the same params objects reuse what those params decide; what
+    moves with the tokens (seeds' keys, min_tokens bans, penalty counts) is still every
+    step's own, and another params object in a row is noticed: the same tokens as settings
+    built from scratch at every step."""
+    from nanokv.engine.types import ScheduledSeq
+
+    runner, vocab = llm.llm_engine.runner, 1024
+    g = torch.Generator().manual_seed(9)
+    kinds = [dict(temperature=0.9, top_p=0.9, seed=5), dict(temperature=0), dict(temperature=1.0, min_tokens=2),
+             dict(temperature=0.7, top_k=30, seed=8, repetition_penalty=1.3), dict(temperature=1.1, logprobs=2)]
+    params = [SamplingParams(**kinds[i % 5]) for i in range(40)]
+    tokens = [torch.randint(0, vocab, (10,), generator=g).tolist() for _ in params]
+    last = None
+    for step in range(5):
+        if step == 3:  # a row's settings change (another request in its place)
+            params[2] = SamplingParams(temperature=0.5, top_p=0.5, seed=3)
+        rows = [ScheduledSeq(i, t[-1:], len(t) - 1, [], True, p, seed=p.seed, num_generated=len(t) - 8,
+                             all_token_ids=t, num_prompt_tokens=8) for i, (p, t) in enumerate(zip(params, tokens))]
+        logits = torch.randn(len(rows), vocab, generator=g) * 2
+        logits[:, 0] = 8.0  # the EOS: banned below min_tokens
+        carried = runner._sampling_tensors(rows, vocab)
+        runner._fixed_settings = None
+        afresh = runner._sampling_tensors(rows, vocab)
+        if step:  # the last step's settings carried over, unless a row changed
+            assert (carried.temperatures is last.temperatures) == (step != 3)
+        last = afresh
+        got = [runner.sampler(logits.clone(), t, torch.Generator().manual_seed(1)).tokens.tolist()
+               for t in (carried, afresh)]
+        assert got[0] == got[1]
+        assert carried.seeded == afresh.seeded and carried.seeded is not None
+        for t in tokens:
+            t.append(int(torch.randint(0, vocab, (1,), generator=g)))
+
+
 def reference_penalties(logits, prompt, output, rep, pres, freq):
     logits = logits.clone()
     for tok in set(prompt) | set(output):

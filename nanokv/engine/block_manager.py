@@ -13,21 +13,28 @@ O(blocks touched), never O(pool size).
 
 from __future__ import annotations
 
-from array import array
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
+from functools import lru_cache
+
 import xxhash
 
 from nanokv.engine.sequence import Sequence
 
 
 def hash_block(parent_hash: int | None, token_ids: Seq[int]) -> int:
-    """Chained hash of one full block: identifies the block *and* everything before it."""
-    h = xxhash.xxh64()
-    if parent_hash is not None:
-        h.update(parent_hash.to_bytes(8, "little"))
-    h.update(array("q", token_ids).tobytes())
-    return h.intdigest()
+    """Chained hash of one full block: identifies the block *and* everything before it:
+    xxh64 of the parent's hash (8 bytes, little-endian) and the token ids (int64 each)."""
+    if parent_hash is None:
+        return xxhash.xxh64_intdigest(_block_struct(len(token_ids), False).pack(*token_ids))
+    return xxhash.xxh64_intdigest(_block_struct(len(token_ids), True).pack(parent_hash, *token_ids))
+
+
+@lru_cache(maxsize=64)
+def _block_struct(num_tokens: int, parent: bool) -> struct.Struct:
+    # one struct call packs a block several times faster than array("q", tokens)
+    return struct.Struct(f"<{'Q' if parent else ''}{num_tokens}q")
 
 
 class Block:

@@ -39,9 +39,17 @@ class Scheduler:
         self.num_preemptions = 0
         self.peak_running = 0  # the most sequences running at once (holding KV blocks)
         self._freed: list[int] = []  # seq ids freed since the last non-empty batch
+        # the last batch _schedule_decodes built and its sequences, item for item: update()
+        # reads them from it instead of looking every item up
+        self._decoded: tuple[ScheduledBatch, list[Sequence]] | None = None
+        # that pair once update() applied the batch with every sequence still running, until
+        # the running list changes: the next decode step continues it (ScheduledBatch.continues)
+        self._continuable: tuple[ScheduledBatch, list[Sequence]] | None = None
+        self._num_batches = 0  # batches handed out (ScheduledBatch.index)
         self.decode_fast_path = True  # False: decode-only steps take the general loop too (tests)
 
     def add(self, seq: Sequence) -> None:
+        seq.stoppers = seq.stop_token_ids | self.eos_token_ids
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -53,8 +61,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         batch = ScheduledBatch()
         preempted = False
+        previous, self._continuable = self._continuable, None
 
-        if self.decode_fast_path and self._schedule_decodes(batch, budget):
+        if self.decode_fast_path and self._schedule_decodes(batch, budget, previous):
             budget -= batch.num_tokens
             i = len(self.running)
         else:
@@ -75,21 +84,43 @@ class Scheduler:
 
         if not preempted:
             budget = self._admit_waiting(batch, budget)
+        if self._decoded is not None and (self._decoded[0] is not batch or len(batch.seqs) != len(self._decoded[1])):
+            self._decoded = None  # admissions joined the decodes: update() looks items up
         if batch.seqs:  # an empty batch never reaches the runner: keep them for the next one
             batch.freed_seq_ids, self._freed = self._freed, []
+            batch.index, self._num_batches = self._num_batches, self._num_batches + 1
+            batch.continues = (self._decoded is not None and self._decoded[0] is batch and previous is not None
+                               and previous[0].index == batch.index - 1 and not batch.freed_seq_ids)
         return batch
 
-    def _schedule_decodes(self, batch: ScheduledBatch, budget: int) -> bool:
+    def _schedule_decodes(self, batch: ScheduledBatch, budget: int,
+                          previous: tuple[ScheduledBatch, list[Sequence]] | None = None) -> bool:
         """The common step, in one pass: every running sequence decodes one token, within
         the budget, and the few whose new token starts a block get one each. The same
-        batch and block ids as the general loop; False (nothing changed) when it does not
-        apply: a prefill chunk among them, too small a budget, or too few free blocks."""
+        batch and block ids as the general loop; False (no block taken) when it does not
+        apply: a prefill chunk among them, too small a budget, or too few free blocks.
+        previous: the continuable batch and its sequences (the running ones, in order),
+        whose items are moved one token on and reused."""
         running = self.running
         if not running or len(running) > budget:
             return False
         bm = self.block_manager
         bs = bm.block_size
         needy: list[list[int]] = []  # tables that need one more block
+        if previous is not None and len(previous[1]) == len(running):
+            items, seqs = previous[0].seqs, previous[1]
+            for seq, it in zip(seqs, items):  # each computed all its tokens, then got one more
+                start, table = seq.num_computed_tokens, seq.block_table
+                if start >= len(table) * bs:
+                    needy.append(table)
+                it.token_ids = [seq.token_ids[start]]
+                it.start_pos = start
+                it.num_generated += 1
+            if needy and not bm.append_blocks(needy):
+                return False
+            batch.seqs, batch.num_tokens = items, len(items)
+            self._decoded = (batch, seqs)
+            return True
         items = []
         add = items.append
         item = ScheduledSeq
@@ -106,6 +137,7 @@ class Scheduler:
             return False
         batch.seqs = items
         batch.num_tokens = len(items)
+        self._decoded = (batch, list(running))
         return True
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
@@ -166,6 +198,19 @@ class Scheduler:
     # ---- results ------------------------------------------------------------------------
     def update(self, batch: ScheduledBatch, output: StepOutput) -> list[Sequence]:
         """Apply one step's results; returns the sequences that finished (blocks freed)."""
+        decoded, self._decoded = self._decoded, None
+        if decoded is not None and decoded[0] is batch:  # every item one token, sampled
+            finished = self._update_decodes(decoded[1], output)
+            self._continuable = None if finished else decoded
+        else:
+            finished = self._update_items(batch, output)
+        if finished:
+            for seq in finished:
+                self._finish(seq)
+            self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+        return finished
+
+    def _update_items(self, batch: ScheduledBatch, output: StepOutput) -> list[Sequence]:
         by_id = {seq.seq_id: seq for seq in self.running}
         sampled = iter(output.sampled_token_ids)
         logprobs = iter(output.logprobs) if output.logprobs is not None else None
@@ -184,19 +229,38 @@ class Scheduler:
                 tokens = seq.token_ids
                 tokens.append(token)
                 if logprobs is not None:
-                    lp = next(logprobs, None)
-                    if lp is not None:
-                        seq.logprobs.append(lp)
-                        seq.cumulative_logprob += lp.logprob
+                    self._add_logprobs(seq, next(logprobs, None))
                 # only these can end it: the cheap test first, the rules in _check_stop
                 if (len(tokens) - seq.num_prompt_tokens >= seq.max_tokens or token in seq.stop_token_ids
                         or token in eos) and self._check_stop(seq):
                     finished.append(seq)
-        if finished:
-            for seq in finished:
-                self._finish(seq)
-            self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         return finished
+
+    def _update_decodes(self, seqs: list[Sequence], output: StepOutput) -> list[Sequence]:
+        """update() for a batch of _schedule_decodes: seqs[i] computed one token and sampled
+        output's i-th; the same effects as _update_items, without the lookups."""
+        bm = self.block_manager
+        cache_from = bm.block_size if bm.enable_prefix_caching else 1 << 62
+        finished: list[Sequence] = []
+        logprobs = output.logprobs
+        for seq, token in zip(seqs, output.sampled_token_ids):
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + 1
+            if computed >= (seq.num_hashed_blocks + 1) * cache_from:
+                bm.cache_full_blocks(seq)
+            tokens = seq.token_ids
+            tokens.append(token)
+            if (len(tokens) >= seq.token_limit or token in seq.stoppers) and self._check_stop(seq):
+                finished.append(seq)
+        if logprobs is not None:  # after the tokens, as _update_items: a stop test reads no logprob
+            for seq, lp in zip(seqs, logprobs):
+                self._add_logprobs(seq, lp)
+        return finished
+
+    @staticmethod
+    def _add_logprobs(seq: Sequence, lp) -> None:
+        if lp is not None:
+            seq.logprobs.append(lp)
+            seq.cumulative_logprob += lp.logprob
 
     def _check_stop(self, seq: Sequence) -> bool:
         token = seq.token_ids[-1]
@@ -235,6 +299,7 @@ class Scheduler:
         string in its text); its blocks are freed at once."""
         assert seq.status is SequenceStatus.RUNNING
         seq.finish_reason, seq.stop_reason = "stop", stop_reason
+        self._continuable = None
         self.running.remove(seq)
         self._finish(seq)
 
@@ -243,6 +308,7 @@ class Scheduler:
         state the sequence is in (an interrupt may have cut admission short)."""
         if seq.status is SequenceStatus.FINISHED:
             return
+        self._continuable = None
         _discard(self.waiting, seq)
         _discard(self.running, seq)
         seq.finish_reason = reason

@@ -31,7 +31,7 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_table", "block_hashes", "num_hashed_blocks", "status", "params", "max_tokens",
         "stop_token_ids", "finish_reason", "stop_reason", "num_cached_tokens",
-        "index", "seed", "logprobs", "cumulative_logprob",
+        "index", "seed", "logprobs", "cumulative_logprob", "token_limit", "stoppers",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -48,6 +48,8 @@ class Sequence:
         self.params = params
         self.max_tokens = max_tokens  # params.max_tokens clamped to fit max_model_len
         self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.token_limit = self.num_prompt_tokens + max_tokens  # len(token_ids) at which it ends
+        self.stoppers = self.stop_token_ids  # tokens that may end it: the scheduler adds its EOS ids
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission

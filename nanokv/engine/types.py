@@ -59,11 +59,21 @@ class ScheduledBatch:
         holds sequences. The runner drops what it keeps per sequence (block-table rows);
         a preempted sequence that comes back starts afresh. Ids the runner never saw (a
         request aborted while waiting) mean nothing to it.
+    index: the scheduler's count of the batches it handed out before this one (-1: a
+        batch made elsewhere, e.g. to rerun one sequence).
+    continues: this batch is a decode step of exactly the batch numbered index - 1: the
+        same sequences in the same order, each computing the token sampled for it there
+        (one token, one position on, sampled), its block table that step's, grown (blocks
+        appended) only where its new position starts a block. The runner may carry that step's
+        inputs over instead of rebuilding them (vLLM v1's cached requests); it must not
+        rely on it unless it ran and sampled that very batch.
     """
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
     num_tokens: int = 0
     freed_seq_ids: list[int] = field(default_factory=list)
+    index: int = -1
+    continues: bool = False
 
 
 @dataclass

@@ -66,27 +66,35 @@ class StepSizes:
 
 class _Layout(NamedTuple):
     """Offsets (in int32 words) of a packed step's sections, each _ALIGN-aligned: int64
-    input_ids, positions, slot_mapping [T], logits_rows [R], write_index [K]; then int32
-    query_start_loc [B + 1], seq_lens [B], rows [B] (of the persistent table), write_values [K]."""
+    input_ids, positions, slot_mapping [T], logits_rows [R]; int32 query_start_loc [B + 1],
+    seq_lens [B], rows [B] (of the persistent table); then the table writes, int64
+    write_index [K] and int32 write_values [K], last: what comes before them depends on
+    T, R and B only."""
 
     input_ids: int
     positions: int
     slot_mapping: int
     logits_rows: int
-    write_index: int
     query_start_loc: int
     seq_lens: int
     rows: int
+    write_index: int
     write_values: int
     total: int
 
 
+def _section_lengths(s: StepSizes) -> tuple[int, ...]:
+    """Each section's length in values, in _Layout's order."""
+    return ((s.num_tokens,) * 3 + (s.num_logits_rows, s.num_seqs + 1, s.num_seqs, s.num_seqs)
+            + (s.num_table_writes,) * 2)
+
+
+@lru_cache(maxsize=256)
 def _layout(s: StepSizes) -> _Layout:
     offsets, at = [], 0
-    for words in (2 * s.num_tokens, 2 * s.num_tokens, 2 * s.num_tokens, 2 * s.num_logits_rows,
-                  2 * s.num_table_writes, s.num_seqs + 1, s.num_seqs, s.num_seqs, s.num_table_writes):
+    for n, dtype in zip(_section_lengths(s), _DTYPES):
         offsets.append(at)
-        at += -(-words // _ALIGN) * _ALIGN
+        at += -(-n * (2 if dtype == torch.int64 else 1) // _ALIGN) * _ALIGN
     return _Layout(*offsets, at)
 
 
@@ -103,12 +111,31 @@ class PackedStep:
 
 
 # the sections' dtypes, in _Layout's order
-_DTYPES = (torch.int64,) * 5 + (torch.int32,) * 4
+_DTYPES = (torch.int64,) * 4 + (torch.int32,) * 3 + (torch.int64, torch.int32)
 
 
 @lru_cache(maxsize=256)
-def _struct(fmt: str) -> struct.Struct:
-    return struct.Struct(fmt)
+def _tail_packer(k: int, values_at: int, words: int) -> struct.Struct:
+    """The struct of a buffer's table writes: k int64 indices, the k int32 values at word
+    values_at, zeros up to `words` words."""
+    return struct.Struct(f"<{k}q{4 * (values_at - 2 * k)}x{k}i{4 * (words - values_at - k)}x")
+
+
+@lru_cache(maxsize=256)
+def _packer_of(sizes: StepSizes) -> struct.Struct:
+    """The struct that writes a step of these sizes whole: its sections (lists, in _Layout's
+    order) at their offsets, zeros between and after them."""
+    lay, fmt, at = _layout(sizes), ["<"], 0
+    for offset, n, dtype in zip(lay[:-1], _section_lengths(sizes), _DTYPES):
+        if not n:
+            continue
+        if offset > at:
+            fmt.append(f"{4 * (offset - at)}x")  # zero padding up to the section
+        wide = dtype == torch.int64
+        fmt.append(f"{n}{'q' if wide else 'i'}")
+        at = offset + (2 * n if wide else n)
+    fmt.append(f"{4 * (lay.total - at)}x")
+    return struct.Struct("".join(fmt))
 
 
 def _tensor(values, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -129,7 +156,11 @@ class BlockTableRows:
     (the device table itself on the CPU); slot mappings are read from it."""
 
     def __init__(self, table: torch.Tensor):
+        assert table.device.type == "cpu" and table.is_contiguous() and table.dtype == torch.int32
         self.table = table  # [num_rows, width] int32, host
+        # the same memory, entry by entry: a few entries written from Python cost less so
+        # than through any tensor op
+        self.entries = (ctypes.c_int32 * table.numel()).from_address(table.data_ptr())
         self.num_rows, self.width = table.shape
         self.row_of: dict[int, int] = {}  # seq id -> row
         self.held = [0] * self.num_rows  # leading entries of each row that are the sequence's
@@ -159,6 +190,31 @@ class BlockTableRows:
         return row
 
 
+class _Decoding:
+    """A decode step (one token per sequence, every one sampling) kept for the batch that
+    continues it (ScheduledBatch.continues): the same sequences in the same order, each one
+    position on. Its buffer up to the table writes is the next one's after a few in-place
+    updates: positions, slots and lengths one further, the tokens it sampled as input ids,
+    the slots of the sequences that start a block looked up."""
+
+    def __init__(self, index: int, buffer: torch.Tensor, sizes: StepSizes, order: list[int], rank: list[int],
+                 rows: list[int], starts: list[int], block_size: int):
+        n, lay = sizes.num_seqs, _layout(sizes)
+        self.index = index  # the batch's ScheduledBatch.index
+        self.head = buffer[:lay.write_index].clone()  # int32: the buffer before its table writes
+        self.num_seqs, self.width, self.max_seq_len = n, sizes.table_width, sizes.max_seq_len
+        self.input_ids, self.positions, self.slots = (_section(self.head, at, n, torch.int64)
+                                                      for at in (lay.input_ids, lay.positions, lay.slot_mapping))
+        self.seq_lens = _section(self.head, lay.seq_lens, n, torch.int32)
+        self.slot_entries = (ctypes.c_int64 * n).from_address(self.slots.data_ptr())  # a few set from Python
+        self.order = torch.tensor(order)  # [B] int64: the batch index of each step position
+        self.rank, self.rows, self.starts = rank, rows, starts  # batch order: step position, row, start then
+        self.by_phase: list[list[int]] = [[] for _ in range(block_size)]  # who starts a block when
+        for i, p in enumerate(starts):
+            self.by_phase[p % block_size].append(i)  # k steps on, where (p + k) % block_size == 0
+        self.step = 0  # steps carried over since
+
+
 class StepPacker:
     """Rank 0: ScheduledBatch -> PackedStep. Sequences are ordered decodes first, shortest
     context first, then prefill chunks, shortest first (backends that group or pad
@@ -169,47 +225,104 @@ class StepPacker:
         self.rows = BlockTableRows(table)
         self.pin_memory = pin_memory
         self.decode_fast_path = True  # False: decode-only steps take the general path too (tests)
+        self._decoding: _Decoding | None = None
+        # (ScheduledBatch.index, [N] int64 host tensor): the tokens the runner sampled for a
+        # batch in which every sequence sampled, in batch order (set by the runner)
+        self.sampled: tuple[int, torch.Tensor] | None = None
 
     def pack(self, batch: ScheduledBatch) -> PackedStep:
+        decoding, self._decoding = self._decoding, None
         try:
+            if (batch.continues and decoding is not None and decoding.index == batch.index - 1
+                    and self.sampled is not None and self.sampled[0] == decoding.index
+                    and len(batch.seqs) == decoding.num_seqs and self.decode_fast_path):
+                return self._pack_continuing(batch, decoding, self.sampled[1])
             return self._pack(batch)
         except BaseException:
-            self.rows.reset()  # a half-recorded step must not leave rows out of step with the tables
+            self.reset()  # a half-recorded step must not leave rows out of step with the tables
             raise
+
+    def reset(self) -> None:
+        """Forget every row (and the step carried over): each sequence is written afresh."""
+        self._decoding = None
+        self.rows.reset()
 
     def _pack(self, batch: ScheduledBatch) -> PackedStep:
         rows_state = self.rows
         rows_state.release(batch.freed_seq_ids)
         seqs = batch.seqs
-        row_of, held, full_width = rows_state.row_of, rows_state.held, rows_state.width
+        row_of, held = rows_state.row_of, rows_state.held
         # O(sequences), each field read in one C-level pass; only a row's new entries are copied
         rows = list(map(row_of.get, map(_SEQ_ID, seqs)))
         if None in rows:  # sequences new to the table (admitted, or back from preemption)
             rows = [rows_state.assign(s.seq_id, seqs) if row is None else row for s, row in zip(seqs, rows)]
         tables = list(map(_BLOCK_TABLE, seqs))
         lens = list(map(len, tables))
-        write_index, write_values = [], []
         have_lens = list(map(held.__getitem__, rows))
-        if lens != have_lens:
-            for row, table, n, have in zip(rows, tables, lens, have_lens):
-                if n != have:  # new blocks (or, should a table ever shrink, rewrite it)
-                    assert n <= full_width, f"a block table of {n} blocks exceeds max_model_len ({full_width} blocks)"
-                    have = have if n > have else 0
-                    base = row * full_width
-                    write_index += range(base + have, base + n)
-                    write_values += table[have:n]
-                    held[row] = n
+        writes = self._write_tables(rows, tables, lens, have_lens) if lens != have_lens else ([], [])
         width = max(lens, default=0)
         starts = list(map(_START_POS, seqs))
         ids = list(chain.from_iterable(map(_TOKEN_IDS, seqs)))
-        if write_index:
-            rows_state.table.view(-1).index_copy_(0, _tensor(write_index), _tensor(write_values, torch.int32))
-        writes = (write_index, write_values)
         if len(ids) == len(seqs) and self.decode_fast_path:
-            return self._pack_decodes(seqs, rows, starts, ids, writes, width, tables)
+            return self._pack_decodes(seqs, rows, starts, ids, writes, width, tables, batch.index)
         return self._pack_general(seqs, rows, starts, ids, writes, width)
 
-    def _pack_decodes(self, seqs, rows, starts, ids, writes, width, tables) -> PackedStep:
+    def _write_tables(self, rows, tables, lens, have_lens):
+        """The new entries of the tables whose length is not their row's (held): written into
+        the host table and returned as (flat indices, values) for the other ranks."""
+        held, full_width, entries = self.rows.held, self.rows.width, self.rows.entries
+        write_index, write_values = [], []
+        for row, table, n, have in zip(rows, tables, lens, have_lens):
+            if n != have:  # new blocks (or, should a table ever shrink, rewrite it)
+                assert n <= full_width, f"a block table of {n} blocks exceeds max_model_len ({full_width} blocks)"
+                have = have if n > have else 0
+                base = row * full_width
+                new = table[have:n]
+                entries[base + have:base + n] = new
+                write_index += range(base + have, base + n)
+                write_values += new
+                held[row] = n
+        return write_index, write_values
+
+    def _pack_continuing(self, batch: ScheduledBatch, d: _Decoding, sampled: torch.Tensor) -> PackedStep:
+        """The batch continuing d's: d's buffer head moved one position on in place (a few
+        tensor ops, nothing per sequence), then the slots and table entries of the
+        sequences whose new position starts a block."""
+        bs, n = self.block_size, d.num_seqs
+        torch.index_select(sampled, 0, d.order, out=d.input_ids)
+        d.positions.add_(1)
+        d.slots.add_(1)
+        d.seq_lens.add_(1)
+        d.step += 1
+        d.index = batch.index
+        d.max_seq_len += 1
+        starting = d.by_phase[-d.step % bs]  # new position p with p % bs == 0: a new block
+        write_index, write_values = [], []
+        if starting:
+            seqs, held, step = batch.seqs, self.rows.held, d.step
+            tables = [seqs[i].block_table for i in starting]
+            rows = [d.rows[i] for i in starting]
+            lens = list(map(len, tables))
+            write_index, write_values = self._write_tables(rows, tables, lens, [held[r] for r in rows])
+            d.width = max(d.width, max(lens))
+            slots, rank, starts = d.slot_entries, d.rank, d.starts
+            for i, table in zip(starting, tables):
+                slots[rank[i]] = table[(starts[i] + step) // bs] * bs
+        sizes = StepSizes(n, n, n, n, len(write_index), d.width, 1, d.max_seq_len)
+        lay = _layout(sizes)
+        buf = torch.empty(lay.total, dtype=torch.int32, pin_memory=self.pin_memory)
+        head_words = d.head.numel()
+        buf[:head_words].copy_(d.head)
+        tail = buf[head_words:]
+        if write_index:
+            _tail_packer(len(write_index), lay.write_values - head_words, lay.total - head_words).pack_into(
+                (ctypes.c_char * (4 * tail.numel())).from_address(tail.data_ptr()), 0, *write_index, *write_values)
+        else:
+            tail.zero_()
+        self._decoding = d
+        return PackedStep(sizes, buf, [1] * n, d.seq_lens.tolist())
+
+    def _pack_decodes(self, seqs, rows, starts, ids, writes, width, tables, batch_index: int) -> PackedStep:
         """One query token per sequence: plain lists in step order, written into the
         buffer by one struct call (cheaper than any tensor op at these sizes)."""
         bs, num_seqs = self.block_size, len(seqs)
@@ -224,9 +337,11 @@ class StepPacker:
         logits_rows = rank if all(samples) else [k for k, keep in zip(rank, samples) if keep]
         seq_lens = list(map((1).__add__, positions))
         sizes = StepSizes(num_seqs, num_seqs, num_seqs, len(logits_rows), len(writes[0]), width, 1, max(seq_lens))
-        sections = (pick(ids), positions, slots, logits_rows, writes[0],
-                    range(num_seqs + 1), seq_lens, pick(rows), writes[1])
-        return PackedStep(sizes, self._buffer(sizes, sections), [1] * num_seqs, seq_lens)
+        sections = (pick(ids), positions, slots, logits_rows, range(num_seqs + 1), seq_lens, pick(rows), *writes)
+        packed = PackedStep(sizes, self._buffer(sizes, sections), [1] * num_seqs, seq_lens)
+        if logits_rows is rank and batch_index >= 0:  # a batch that continues this one may carry it over
+            self._decoding = _Decoding(batch_index, packed.buffer, sizes, order, rank, rows, starts, bs)
+        return packed
 
     def _pack_general(self, seqs, rows, starts, ids, writes, width) -> PackedStep:
         """Prefill chunks (and decodes beside them): positions, token order and slot
@@ -250,7 +365,7 @@ class StepPacker:
         seq_lens_list = seq_lens.tolist()
         sizes = StepSizes(num_tokens, num_seqs, q_lens.count(1), logits_rows.numel(), len(writes[0]), width,
                           max(q_lens), max(seq_lens_list))
-        sections = (input_ids, positions, slots, logits_rows, writes[0], cu, seq_lens, rows_s, writes[1])
+        sections = (input_ids, positions, slots, logits_rows, cu, seq_lens, rows_s, *writes)
         return PackedStep(sizes, self._buffer(sizes, sections), q_s.tolist(), seq_lens_list)
 
     def _buffer(self, sizes: StepSizes, sections) -> torch.Tensor:
@@ -265,18 +380,8 @@ class StepPacker:
                     _section(buf, offset, len(data), dtype).copy_(
                         data if isinstance(data, torch.Tensor) else _tensor(data, dtype))
             return buf
-        values, fmt, at = [], ["<"], 0
-        for offset, data, dtype in zip(lay[:-1], sections, _DTYPES):
-            if not len(data):
-                continue
-            if offset > at:
-                fmt.append(f"{4 * (offset - at)}x")  # zero padding up to the section
-            wide = dtype == torch.int64
-            fmt.append(f"{len(data)}{'q' if wide else 'i'}")
-            values += data
-            at = offset + (2 * len(data) if wide else len(data))
-        fmt.append(f"{4 * (lay.total - at)}x")
-        _struct("".join(fmt)).pack_into((ctypes.c_char * (4 * lay.total)).from_address(buf.data_ptr()), 0, *values)
+        _packer_of(sizes).pack_into((ctypes.c_char * (4 * lay.total)).from_address(buf.data_ptr()), 0,
+                                    *chain.from_iterable(sections))
         return buf
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
-from operator import attrgetter
+from copy import copy
+from dataclasses import dataclass
+from operator import attrgetter, is_
 
 import torch
 
@@ -25,6 +27,7 @@ from nanokv.sampling_params import SAMPLING_EPS, SamplingParams
 logger = logging.getLogger("nanokv")
 
 _TEMPERATURE, _MIN_TOKENS, _LOGPROBS = (attrgetter(f) for f in ("temperature", "min_tokens", "logprobs"))
+_PARAMS = attrgetter("params")
 _REPETITION, _PRESENCE, _FREQUENCY = (attrgetter(f + "_penalty") for f in ("repetition", "presence", "frequency"))
 
 
@@ -78,6 +81,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.token_counts: dict[int, TokenCounts] = {}  # seq_id -> penalty state, while it runs
+        self._fixed_settings: _FixedSettings | None = None  # the last step's, reused while its params stay
         self.eos_token_ids = list(config.eos_token_ids)
         self.num_steps = 0
         self.forward_seconds = 0.0  # model forward + LM head, measured only after reset_timers()
@@ -124,7 +128,7 @@ class ModelRunner:
         try:
             input_ids, positions, meta, rows = self.prepare(batch)
         finally:  # the profiling batch's made-up sequences hold no rows, and their block ids are gone
-            self.packer.rows.reset()
+            self.packer.reset()
             self.block_table.zero_()
         self.backend.prepare(meta, bs)
         hidden = self.model(input_ids, positions, meta)
@@ -183,55 +187,48 @@ class ModelRunner:
             self.token_counts.pop(seq_id, None)
         if logits is None:
             return StepOutput()
-        rows = [s for s in batch.seqs if s.sample]
-        out = self.sampler(logits, self._sampling_tensors(rows, logits.shape[-1]), self.generator)
-        return StepOutput(out.tokens.tolist(), _logprobs(rows, out))
+        rows = batch.seqs if batch.continues else [s for s in batch.seqs if s.sample]
+        t = self._sampling_tensors(rows, logits.shape[-1], batch.index, batch.continues)
+        out = self.sampler(logits, t, self.generator)
+        tokens = out.tokens.cpu()
+        if self._packer is not None:  # what the next batch computes, should it continue this one
+            self._packer.sampled = (batch.index, tokens) if len(rows) == len(batch.seqs) else None
+        return StepOutput(tokens.tolist(), _logprobs(rows, out))
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _sampling_tensors(self, rows: list[ScheduledSeq], vocab: int) -> SamplingTensors:
-        """Per-row settings as tensors; options no row uses stay None (no work)."""
-        dev, params = self.device, [s.params for s in rows]
-
-        def column(values, dtype=torch.float32):
-            return torch.tensor(values, dtype=dtype, device=dev)
-
-        # Each option is looked for with one C-level pass over the rows (map, count, max):
-        # at hundreds of rows a Python loop per option costs more than the greedy draw.
-        temps = list(map(_TEMPERATURE, params))
-        all_greedy = max(temps, default=0) < SAMPLING_EPS
-        t = SamplingTensors(torch.zeros(len(rows), device=dev) if all_greedy else
-                            column([0.0 if x < SAMPLING_EPS else x for x in temps]), all_greedy=all_greedy)
-        if not t.all_greedy:
-            if any(p.top_k > 0 for p in params):
-                t.top_k = column([p.top_k if p.top_k > 0 else vocab for p in params], torch.long)
-            if any(p.top_p < 1 for p in params):
-                t.top_p = column([p.top_p for p in params])
-            if any(p.min_p > 0 for p in params):
-                t.min_p = column([p.min_p for p in params])
-            seeded = [(i, seed_for_token(s.seed, s.num_generated)) for i, s in enumerate(rows)
-                      if s.seed is not None and not s.params.greedy]
-            t.seeded = seeded or None
-        n = len(params)
-        if (list(map(_REPETITION, params)).count(1) != n or list(map(_PRESENCE, params)).count(0) != n
-                or list(map(_FREQUENCY, params)).count(0) != n):  # some row has_penalties
+    def _sampling_tensors(self, rows: list[ScheduledSeq], vocab: int, index: int = -1,
+                          continues: bool = False) -> SamplingTensors:
+        """Per-row settings as tensors; options no row uses stay None (no work). What the
+        rows' params decide is built once for a run of steps with the same params objects
+        (steady decoding; not even compared where the batch continues the last one, index
+        and continues: its ScheduledBatch's); seeds, min_tokens bans and penalty counts,
+        which move with the tokens, every step."""
+        fixed = self._fixed_settings
+        if not (continues and fixed is not None and fixed.index == index - 1 and fixed.vocab == vocab):
+            params = list(map(_PARAMS, rows))
+            if (fixed is None or fixed.vocab != vocab or len(fixed.params) != len(params)
+                    or not all(map(is_, params, fixed.params))):
+                fixed = self._fixed_settings = _FixedSettings.build(params, vocab, self.device)
+        fixed.index = index
+        t = copy(fixed.tensors)
+        if fixed.seeded_rows:
+            t.seeded = [(i, seed_for_token(rows[i].seed, rows[i].num_generated)) for i in fixed.seeded_rows
+                        if rows[i].seed is not None] or None
+        if fixed.penalties:
             self._penalty_tensors(t, rows)
-        banned_rows, banned_ids = [], []
-        if max(map(_MIN_TOKENS, params), default=0) > 0:
+        if fixed.min_tokens:
+            banned_rows, banned_ids = [], []
             for i, s in enumerate(rows):
                 if s.num_generated < s.params.min_tokens:
                     stop_ids = s.params.stop_token_ids + ([] if s.params.ignore_eos else self.eos_token_ids)
                     banned_rows += [i] * len(stop_ids)
                     banned_ids += stop_ids
-        if banned_rows:
-            t.banned = (column(banned_rows, torch.long), column(banned_ids, torch.long))
-        logprobs = list(map(_LOGPROBS, params))
-        asked = [] if logprobs.count(None) == n else [i for i, k in enumerate(logprobs) if k is not None]
-        if asked:
-            t.max_logprobs = max(params[i].logprobs for i in asked)
-            t.logprob_rows = None if len(asked) == len(rows) else column(asked, torch.long)
+            if banned_rows:
+                t.banned = (torch.tensor(banned_rows, dtype=torch.long, device=self.device),
+                            torch.tensor(banned_ids, dtype=torch.long, device=self.device))
         return t
 
     def _penalty_tensors(self, t: SamplingTensors, rows: list[ScheduledSeq]) -> None:
@@ -278,8 +275,52 @@ class ModelRunner:
             return unpack_step(packed, self.block_table, apply_writes=not same)
         except BaseException:
             if self._packer is not None:  # the writes may not have reached the table: start rows afresh
-                self._packer.rows.reset()
+                self._packer.reset()
             raise
+
+
+@dataclass
+class _FixedSettings:
+    """The part of a step's SamplingTensors that its rows' params alone decide, and which
+    per-step parts the rows need."""
+
+    params: list[SamplingParams]  # the rows' own objects, compared by identity
+    vocab: int
+    tensors: SamplingTensors  # seeded, banned and the penalty fields unset
+    seeded_rows: list[int]  # rows that draw with their request's seed
+    penalties: bool
+    min_tokens: bool
+    index: int = -1  # the batch (ScheduledBatch.index) they were last used for
+
+    @staticmethod
+    def build(params: list[SamplingParams], vocab: int, dev: torch.device) -> _FixedSettings:
+        def column(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        # Each option is looked for with one C-level pass over the rows (map, count, max):
+        # at hundreds of rows a Python loop per option costs more than the greedy draw.
+        n = len(params)
+        temps = list(map(_TEMPERATURE, params))
+        all_greedy = max(temps, default=0) < SAMPLING_EPS
+        t = SamplingTensors(torch.zeros(n, device=dev) if all_greedy else
+                            column([0.0 if x < SAMPLING_EPS else x for x in temps]), all_greedy=all_greedy)
+        seeded_rows = []
+        if not all_greedy:
+            if any(p.top_k > 0 for p in params):
+                t.top_k = column([p.top_k if p.top_k > 0 else vocab for p in params], torch.long)
+            if any(p.top_p < 1 for p in params):
+                t.top_p = column([p.top_p for p in params])
+            if any(p.min_p > 0 for p in params):
+                t.min_p = column([p.min_p for p in params])
+            seeded_rows = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
+        penalties = (list(map(_REPETITION, params)).count(1) != n or list(map(_PRESENCE, params)).count(0) != n
+                     or list(map(_FREQUENCY, params)).count(0) != n)  # some row has_penalties
+        logprobs = list(map(_LOGPROBS, params))
+        asked = [] if logprobs.count(None) == n else [i for i, k in enumerate(logprobs) if k is not None]
+        if asked:
+            t.max_logprobs = max(params[i].logprobs for i in asked)
+            t.logprob_rows = None if len(asked) == n else column(asked, torch.long)
+        return _FixedSettings(params, vocab, t, seeded_rows, penalties, max(map(_MIN_TOKENS, params), default=0) > 0)
 
 
 def _keep_rows(rows: torch.Tensor | None, device: torch.device) -> torch.Tensor:

@@ -294,3 +294,51 @@ def test_freed_seq_ids_hand_over_every_finish_abort_and_preemption_once():
     add(sched, [1, 2, 3], max_tokens=1)
     handed.update(sched.schedule().freed_seq_ids)  # the next batch that runs carries them
     assert handed == expected
+
+
+def test_decode_batches_continue_the_one_before_until_the_running_set_changes():
+    """ScheduledBatch.continues: a decode step of exactly the last batch's sequences, in
+    order, one token on; numbered one after it. A finish, an abort, an admission or a stop
+    string's stop breaks the run for one batch."""
+    sched, runner = make_engine(num_blocks=64, block_size=4, budget=64)
+    seqs = [add(sched, [i + 1] * (3 + i), max_tokens=20 + 3 * i) for i in range(3)]
+    flags, last = [], None
+
+    def step():
+        nonlocal last
+        batch = sched.schedule()
+        assert batch.index == (0 if last is None else last.index + 1)
+        if batch.continues:  # the last batch's sequences, in order, one token on
+            assert [s.seq_id for s in batch.seqs] == last_ids
+            assert [s.start_pos for s in batch.seqs] == [p + 1 for p in last_starts]
+            assert all(s.token_ids == [seq.token_ids[-1]] for s, seq in zip(batch.seqs, sched.running))
+        flags.append(batch.continues)
+        last = batch
+        seen = ([s.seq_id for s in batch.seqs], [s.start_pos for s in batch.seqs])
+        sched.update(batch, runner.execute(batch))
+        return seen
+
+    for _ in range(4):
+        last_ids, last_starts = step()
+    assert flags == [False, False, True, True]  # the prefill, the first decode, then continuing
+    sched.abort(seqs[2])
+    last_ids, last_starts = step()
+    last_ids, last_starts = step()
+    assert flags[-2:] == [False, True]
+    late = add(sched, [9] * 5, max_tokens=12)
+    last_ids, last_starts = step()  # the admission
+    last_ids, last_starts = step()  # its first decode beside the others
+    last_ids, last_starts = step()
+    assert flags[-3:] == [False, False, True]
+    sched.stop(seqs[1], "stop string")
+    last_ids, last_starts = step()
+    last_ids, last_starts = step()
+    assert flags[-2:] == [False, True]
+    while sched.has_unfinished():  # late finishes: the step after it does not continue
+        running = len(sched.running)
+        last_ids, last_starts = step()
+        if len(sched.running) < running and sched.running:
+            last_ids, last_starts = step()
+            assert not flags[-1]
+    assert late.finish_reason == "length" and seqs[0].output_token_ids == reference_generate(
+        seqs[0].token_ids[:seqs[0].num_prompt_tokens], 20)

@@ -142,6 +142,65 @@ def test_decode_fast_path_equals_the_general_path():
         assert (a.query_lens, a.seq_lens) == (b.query_lens, b.seq_lens)
 
 
+def test_continuing_decode_steps_carry_the_last_step_over_exactly():
+    """Runs of decode steps of the same sequences in the same order, each batch continuing
+    the one before (ScheduledBatch.continues: the packer moves the last step's buffer one
+    position on), pack exactly what the general path packs: across block starts (one
+    block or several appended), and after steps that break the run: sequences that leave
+    or arrive, a table rewritten shorter, a step in which one does not sample, a reset."""
+    rng = random.Random(3)
+    fast, general = new_packer(width=128), new_packer(width=128)
+    general.decode_fast_path = False
+    free = list(range(3000))
+    rng.shuffle(free)
+    carried = []
+    real = fast._pack_continuing
+    fast._pack_continuing = lambda *args: carried.append(real(*args)) or carried[-1]
+
+    def new_seq(seq_id):
+        return ScheduledSeq(seq_id, [1], rng.randrange(0, 40), [], True, PARAMS)
+
+    seqs, next_id, sampled = [new_seq(i) for i in range(6)], 6, None
+    for step in range(300):
+        freed, event, continues = [], rng.random(), sampled is not None
+        for i, s in enumerate(seqs):
+            s.start_pos += step > 0
+            s.token_ids = [sampled[i] if sampled else rng.randrange(1000)]
+            s.sample = True
+        if event < 0.03 and len(seqs) > 1:
+            freed.append(seqs.pop(rng.randrange(len(seqs))).seq_id)
+            continues = False
+        elif event < 0.06:
+            seqs.append(new_seq(next_id))
+            next_id += 1
+            continues = False
+        elif event < 0.09:  # a table rewritten: fewer, other blocks, still covering the sequence
+            for s in seqs:
+                if len(s.block_table) > s.start_pos // BS + 1:  # grown ahead: it can shrink
+                    s.block_table = [free.pop() for _ in range(s.start_pos // BS + 1)]
+                    continues = False
+                    break
+        elif event < 0.12:  # a prefill's last chunk would be such a step
+            rng.choice(seqs).sample = False
+            continues = False
+        elif event < 0.13:
+            fast.reset()  # the packer forgets: a continuing batch is packed afresh
+            general.reset()
+        for s in seqs:
+            ahead = s.start_pos % BS == 0 and rng.random() < 0.3  # a new block, now and then two
+            while len(s.block_table) * BS < s.start_pos + 1 + ahead * BS:
+                s.block_table.append(free.pop())
+        batch = ScheduledBatch(list(seqs), len(seqs), freed, index=step, continues=continues)
+        a, b = fast.pack(batch), general.pack(batch)
+        assert a.sizes == b.sizes and torch.equal(a.buffer, b.buffer), step
+        assert (a.query_lens, a.seq_lens) == (b.query_lens, b.seq_lens)
+        assert_matches_reference(unpack_step(a, fast.rows.table, apply_writes=False), batch)
+        all_sampled = all(s.sample for s in seqs)
+        sampled = [rng.randrange(1000) for _ in seqs] if all_sampled else None
+        fast.sampled = (step, torch.tensor(sampled)) if all_sampled else None
+    assert sum(p is not None for p in carried) > 150  # most steps were carried over
+
+
 def test_a_step_sends_only_new_table_entries():
     """Steady decoding writes one entry per sequence that starts a block, whatever the
     context length; a new sequence sends its whole table once."""
