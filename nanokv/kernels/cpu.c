@@ -1779,10 +1779,19 @@ static double zero_up_to(float *e, long V, const float *f, float wt, long own, f
     return total;
 }
 
-/* the weight of the tokens that weigh more than wt */
-static float sum_above(const float *e, long V, const float *f, float wt, long own, float own_e) {
-    double total = 0;
+/* Whether the tokens that weigh more than wt, with cw more, weigh less than limit: as the
+ * float sum of their weight plus cw, against limit (the sum block by block, in double), but
+ * decided as soon as the blocks seen settle it: their weight already reaches the limit (the
+ * rest only adds), or even all of the rest (bs, each block's weight) could not reach it,
+ * with a margin (1e-4) past the rounding of block sums taken in another order. The same
+ * answer as the whole sum, mostly after a part of the row. */
+static int above_under(const float *e, long V, const float *f, const float *bs, float wt, long own, float own_e,
+                       float cw, float limit) {
+    long nbk = (V + SB - 1) / SB;
+    double total = 0, rest = 0;
+    for (long b = 0; b < nbk; b++) rest += bs[b];
     for (long b0 = 0, b = 0; b0 < V; b0 += SB, b++) {
+        rest -= bs[b];
         if (f[b] == 0) continue;
         long end = b0 + SB < V ? b0 + SB : V, j = b0;
         float t = block_threshold(f, b, wt, own, own_e);
@@ -1794,8 +1803,10 @@ static float sum_above(const float *e, long V, const float *f, float wt, long ow
         float s = hsum(acc);
         for (; j < end; j++) s += e[j] > t ? e[j] : 0;
         total += s * f[b];
+        if ((float)total + cw >= limit) return 0;
+        if (total + 1.0001 * (rest > 0 ? rest : 0) + cw < 0.9999 * limit) return 1;
     }
-    return (float)total;
+    return (float)total + cw < limit;
 }
 
 /* The first token (id order) whose running weight exceeds target; past the total, the last
@@ -1836,7 +1847,7 @@ static long draw_past(float *e, long V, const float *f, float *ssum, float *bs, 
         if (ok && top_p < 1) {
             float cw = 0;
             for (long q = 0; q < c; q++) cw += w[q] > wt ? w[q] : 0;
-            ok = sum_above(e, V, f, wt, own, own_e) + cw < top_p * z;
+            ok = above_under(e, V, f, bs, wt, own, own_e, cw, top_p * z);
         }
         if (ok && min_p >= 0) ok = wt >= min_p;
         if (ok) return pick;
@@ -1853,35 +1864,45 @@ static long draw_past(float *e, long V, const float *f, float *ssum, float *bs, 
     }
 }
 
-/* a where a > b, else b, lane by lane (NaN in a: b) */
+/* a where a > b, else b, lane by lane (NaN in a: b): vmaxps's rule, one instruction with AVX */
 static inline v8 max8(v8 a, v8 b) {
+#if defined(__AVX2__) && !defined(NK_PORTABLE)
+    return _mm256_max_ps(a, b);
+#else
     v8i gt = a > b;
     return (v8)(((v8i)a & gt) | ((v8i)b & ~gt));
+#endif
 }
 
 /* 2^t for t in [-126, 0] (a block whose weights are all normal floats): 2^n * p(f), n the
  * nearest integer (the 1.5 * 2^23 trick: t + M holds it in its low bits), p of degree 5,
- * relative error 1.7e-7 in float32. No range test per vector: the caller checked the block. */
+ * relative error 1.7e-7 in float32. No range test per vector: the caller checked the block.
+ * M is 1.5 * 2^23 + 128, so those bits shifted into the exponent are 2^(n + 1) with no bias
+ * to add, and p's coefficients are halved to match: the same result, bit for bit. */
 static inline vf exp2_block(vf t) {
-    const float M = 12582912.0f;
+    const float M = 12583040.0f;
     vf r = t + splat(M);
     vf f = t - (r - splat(M));
     vi bits;
     memcpy(&bits, &r, sizeof bits);
-    bits = (bits << 23) + (127 << 23);
+    bits <<= 23;
     vf s;
     memcpy(&s, &bits, sizeof s);
-    vf p = splat(1.326472731307149e-03f);
-    p = p * f + splat(9.671512991189957e-03f);
-    p = p * f + splat(5.550733581185341e-02f);
-    p = p * f + splat(2.4022242426872253e-01f);
-    p = p * f + splat(6.931470036506653e-01f);
-    return (p * f + splat(1.0f)) * s;
+    vf p = splat(0.5f * 1.326472731307149e-03f);
+    p = p * f + splat(0.5f * 9.671512991189957e-03f);
+    p = p * f + splat(0.5f * 5.550733581185341e-02f);
+    p = p * f + splat(0.5f * 2.4022242426872253e-01f);
+    p = p * f + splat(0.5f * 6.931470036506653e-01f);
+    return (p * f + splat(0.5f)) * s;
 }
 
-static inline v8 min8(v8 a, v8 b) {
+static inline v8 min8(v8 a, v8 b) { /* a where a < b, else b: vminps's rule */
+#if defined(__AVX2__) && !defined(NK_PORTABLE)
+    return _mm256_min_ps(a, b);
+#else
     v8i lt = a < b;
     return (v8)(((v8i)a & lt) | ((v8i)b & ~lt));
+#endif
 }
 
 #define FUSED_AHEAD (8 * SB) /* floats: the exp work of a block hides the fetch of one 8 blocks on */
@@ -1898,26 +1919,26 @@ static double fused_row(const float *x, long V, long B, float scale, int32_t *mk
     float m = -INFINITY;
     for (long b0 = 0, b = 0; b0 < V; b0 += SB, b++) {
         long end = b0 + SB < V ? b0 + SB : V, j = b0;
-        v8 mx = (v8){} - INFINITY, mn = (v8){} + INFINITY;
+        v8 mx = (v8){} - INFINITY, mn = (v8){} + INFINITY, any = {};
         for (; j + B <= end; j += B) { /* the full blocks of B: their maxima */
             v8 bm = load8(x + j), bn = bm;
-            v8i nan = bm != bm;
+            any += bm;
             for (long i = 8; i < B; i += 8) {
                 v8 v = load8(x + j + i);
-                nan |= v != v;
+                any += v; /* NaN from a NaN (or from infinities of both signs) */
                 bm = max8(v, bm);
                 bn = min8(v, bn);
             }
             v8 h = max8(__builtin_shufflevector(bm, bm, 4, 5, 6, 7, 0, 1, 2, 3), bm);
             h = max8(__builtin_shufflevector(h, h, 2, 3, 0, 1, 6, 7, 4, 5), h);
             float f = h[0] > h[1] ? h[0] : h[1];
-            nan |= __builtin_shufflevector(nan, nan, 4, 5, 6, 7, 0, 1, 2, 3);
-            nan |= __builtin_shufflevector(nan, nan, 2, 3, 0, 1, 6, 7, 4, 5);
-            /* a zero maximum may be -0 beside a +0, and NaN ranks above +inf: the keys decide */
-            mk[j / B] = (f == 0 || nan[0] || nan[1]) ? block_max_key(x + j, B) : fkey(f);
+            /* a zero maximum may be -0 beside a +0: the keys decide */
+            mk[j / B] = f == 0 ? block_max_key(x + j, B) : fkey(f);
             mx = max8(bm, mx);
             mn = min8(bn, mn);
         }
+        if (mask_bits8(any != any)) /* maybe a NaN, which ranks above +inf: every key of the block exact */
+            for (long q = b0; q + B <= j; q += B) mk[q / B] = block_max_key(x + q, B);
         float mb = mx[0], lo = mn[0];
         for (int i = 1; i < 8; i++) {
             mb = mx[i] > mb ? mx[i] : mb;
