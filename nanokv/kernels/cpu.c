@@ -1523,6 +1523,20 @@ static int cand_cmp(const void *pa, const void *pb) {
 /* The k best of n (key, id) items given in ascending id order (larger key first, then lower
  * id), sorted so, into out[0..k). tmp: n ints. */
 static void select_best(const int32_t *keys, const int32_t *ids, long n, long k, int32_t *tmp, struct cand *out) {
+    if (n <= k + k / 4 && n <= 80) { /* few more than k: sort them all (insertion, stable), keep k */
+        struct cand all[80];
+        for (long i = 0; i < n; i++) {
+            struct cand c = {keys[i], ids ? ids[i] : (int32_t)i};
+            long j = i - 1;
+            while (j >= 0 && all[j].key < c.key) {
+                all[j + 1] = all[j];
+                j--;
+            }
+            all[j + 1] = c;
+        }
+        memcpy(out, all, sizeof *out * (n < k ? n : k));
+        return;
+    }
     memcpy(tmp, keys, sizeof(int32_t) * n);
     int32_t t = kth_largest(tmp, n, k);
     long above = 0, got = 0;
@@ -1617,13 +1631,16 @@ static void top_row_given(const float *x, long V, long k, long B, int32_t *work,
         for (long i = 0; i < c; i++) {
             if (!(sk[i] > t || (sk[i] == t && ties-- > 0))) continue;
             long j0 = (long)sid[i] * B;
-            for (long j = 0; j < B; j += 8) { /* B: a multiple of 8 */
+            for (long j = 0; j < B; j += 8) { /* B: a multiple of 8; keep_at_least on the keys in registers */
                 v8i v;
                 memcpy(&v, x + j0 + j, 32);
                 v ^= (v >> 31) & 0x7fffffff; /* fkey's, lane by lane */
-                memcpy(keys + j, &v, 32);
+                for (int bits = mask_bits8(v >= t); bits; bits &= bits - 1) {
+                    int l = __builtin_ctz(bits);
+                    pk[P] = v[l];
+                    pid[P++] = (int32_t)(j0 + j + l);
+                }
             }
-            P = keep_at_least(keys, j0, B, t, pk, pid, P);
         }
         for (long j = nb * B; j < V; j++) { /* the ragged end */
             int32_t kj = fkey(x[j]);

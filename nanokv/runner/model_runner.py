@@ -16,7 +16,7 @@ from nanokv.distributed import TP
 from nanokv.engine.types import ScheduledBatch, ScheduledSeq, StepOutput, TokenLogprobs
 from nanokv.layers.attention import Attention
 from nanokv.layers.custom_op import choose_kernels
-from nanokv.layers.sampler import Sampler, SamplerOutput, SamplingTensors, TokenCounts, seed_for_token
+from nanokv.layers.sampler import Sampler, SamplerOutput, SamplingTensors, TokenCounts, list_tensor, seed_keys
 from nanokv.loader import build_model
 from nanokv.models import get_model_class
 from nanokv.runner.cuda_graph import DecodeGraphs
@@ -215,8 +215,7 @@ class ModelRunner:
         fixed.index = index
         t = copy(fixed.tensors)
         if fixed.seeded_rows:
-            t.seeded = [(i, seed_for_token(rows[i].seed, rows[i].num_generated)) for i in fixed.seeded_rows
-                        if rows[i].seed is not None] or None
+            t.seeded = seed_keys(rows, fixed.seeded_rows) or None
         if fixed.penalties:
             self._penalty_tensors(t, rows)
         if fixed.min_tokens:
@@ -227,17 +226,16 @@ class ModelRunner:
                     banned_rows += [i] * len(stop_ids)
                     banned_ids += stop_ids
             if banned_rows:
-                t.banned = (torch.tensor(banned_rows, dtype=torch.long, device=self.device),
-                            torch.tensor(banned_ids, dtype=torch.long, device=self.device))
+                t.banned = (list_tensor(banned_rows, device=self.device), list_tensor(banned_ids, device=self.device))
         return t
 
     def _penalty_tensors(self, t: SamplingTensors, rows: list[ScheduledSeq]) -> None:
         """Per-row penalty values, and the penalised rows' distinct tokens from counts kept
         per sequence across steps (a step counts only its new tokens)."""
         dev = self.device
-        t.repetition = torch.tensor([s.params.repetition_penalty for s in rows], device=dev)
-        t.presence = torch.tensor([s.params.presence_penalty for s in rows], device=dev)
-        t.frequency = torch.tensor([s.params.frequency_penalty for s in rows], device=dev)
+        t.repetition = list_tensor([s.params.repetition_penalty for s in rows], torch.float32, dev)
+        t.presence = list_tensor([s.params.presence_penalty for s in rows], torch.float32, dev)
+        t.frequency = list_tensor([s.params.frequency_penalty for s in rows], torch.float32, dev)
         penalised, counts = [], []
         for i, s in enumerate(rows):
             if s.params.has_penalties:
@@ -247,8 +245,8 @@ class ModelRunner:
                 state.update()
                 penalised.append(i)
                 counts.append(state)
-        sizes = torch.tensor([len(c.ids) for c in counts])
-        t.penalty_rows = torch.repeat_interleave(torch.tensor(penalised), sizes).to(dev)
+        sizes = list_tensor([len(c.ids) for c in counts])
+        t.penalty_rows = torch.repeat_interleave(list_tensor(penalised), sizes).to(dev)
         t.penalty_ids = torch.cat([torch.frombuffer(c.ids, dtype=torch.int64) for c in counts]).to(dev)
         t.penalty_counts = torch.cat([torch.frombuffer(c.counts, dtype=torch.float32) for c in counts]).to(dev)
 
@@ -295,7 +293,7 @@ class _FixedSettings:
     @staticmethod
     def build(params: list[SamplingParams], vocab: int, dev: torch.device) -> _FixedSettings:
         def column(values, dtype=torch.float32):
-            return torch.tensor(values, dtype=dtype, device=dev)
+            return list_tensor(values, dtype, dev)
 
         # Each option is looked for with one C-level pass over the rows (map, count, max):
         # at hundreds of rows a Python loop per option costs more than the greedy draw.
