@@ -200,6 +200,26 @@ class BlockManager:
         self.query_tokens += num_query_tokens
         self.hit_tokens += num_hit_tokens
 
+    def cache_next_block(self, seq: Sequence) -> None:
+        """cache_full_blocks for a sequence whose computed tokens just filled one more block
+        (a decode): the same effects, for that one block, without the general loops."""
+        i, bs, hashes = seq.num_hashed_blocks, self.block_size, seq.block_hashes
+        if not self.enable_prefix_caching or seq.num_computed_tokens // bs != i + 1 or len(hashes) < i:
+            self.cache_full_blocks(seq)
+            return
+        tokens = seq.token_ids
+        if len(hashes) == i:
+            hashes.append(hash_block(hashes[-1] if i else None, tokens[i * bs:(i + 1) * bs]))
+        h = hashes[i]
+        block = self.blocks[seq.block_table[i]]
+        if block.block_hash is None and h not in self.cached:
+            block.block_hash = h
+            block.token_ids = tuple(tokens[i * bs:(i + 1) * bs])
+            self.cached[h] = block.block_id
+        if self.in_flight:
+            self._clear_in_flight(seq, i, i + 1)
+        seq.num_hashed_blocks = i + 1
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register seq's newly completed blocks (all tokens computed) in the prefix cache."""
         if not self.enable_prefix_caching:

@@ -246,7 +246,7 @@ class Scheduler:
         for seq, token in zip(seqs, output.sampled_token_ids):
             computed = seq.num_computed_tokens = seq.num_computed_tokens + 1
             if computed >= (seq.num_hashed_blocks + 1) * cache_from:
-                bm.cache_full_blocks(seq)
+                bm.cache_next_block(seq)
             tokens = seq.token_ids
             tokens.append(token)
             if (len(tokens) >= seq.token_limit or token in seq.stoppers) and self._check_stop(seq):

@@ -206,6 +206,9 @@ class _Decoding:
         self.input_ids, self.positions, self.slots = (_section(self.head, at, n, torch.int64)
                                                       for at in (lay.input_ids, lay.positions, lay.slot_mapping))
         self.seq_lens = _section(self.head, lay.seq_lens, n, torch.int32)
+        # positions and slots move on together: one view over both where no padding parts them
+        self.moving = [_section(self.head, lay.positions, 2 * n, torch.int64)] \
+            if lay.slot_mapping == lay.positions + 2 * n else [self.positions, self.slots]
         self.slot_entries = (ctypes.c_int64 * n).from_address(self.slots.data_ptr())  # a few set from Python
         self.order = torch.tensor(order)  # [B] int64: the batch index of each step position
         self.rank, self.rows, self.starts = rank, rows, starts  # batch order: step position, row, start then
@@ -290,8 +293,8 @@ class StepPacker:
         sequences whose new position starts a block."""
         bs, n = self.block_size, d.num_seqs
         torch.index_select(sampled, 0, d.order, out=d.input_ids)
-        d.positions.add_(1)
-        d.slots.add_(1)
+        for t in d.moving:
+            t.add_(1)
         d.seq_lens.add_(1)
         d.step += 1
         d.index = batch.index
@@ -310,15 +313,18 @@ class StepPacker:
                 slots[rank[i]] = table[(starts[i] + step) // bs] * bs
         sizes = StepSizes(n, n, n, n, len(write_index), d.width, 1, d.max_seq_len)
         lay = _layout(sizes)
-        buf = torch.empty(lay.total, dtype=torch.int32, pin_memory=self.pin_memory)
         head_words = d.head.numel()
-        buf[:head_words].copy_(d.head)
-        tail = buf[head_words:]
-        if write_index:
-            _tail_packer(len(write_index), lay.write_values - head_words, lay.total - head_words).pack_into(
-                (ctypes.c_char * (4 * tail.numel())).from_address(tail.data_ptr()), 0, *write_index, *write_values)
+        if not write_index and not self.pin_memory:  # the head is the whole step
+            buf = d.head.clone()
         else:
-            tail.zero_()
+            buf = torch.empty(lay.total, dtype=torch.int32, pin_memory=self.pin_memory)
+            buf[:head_words].copy_(d.head)
+            tail = buf[head_words:]
+            if write_index:
+                _tail_packer(len(write_index), lay.write_values - head_words, lay.total - head_words).pack_into(
+                    (ctypes.c_char * (4 * tail.numel())).from_address(tail.data_ptr()), 0, *write_index, *write_values)
+            else:
+                tail.zero_()
         self._decoding = d
         return PackedStep(sizes, buf, [1] * n, d.seq_lens.tolist())
 

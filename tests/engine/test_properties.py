@@ -144,7 +144,7 @@ def test_decode_fast_path_schedules_exactly_like_the_general_loop(w, eos, stop_i
             finished = sched.update(batch, runner.execute(batch))
             check_invariants(sched, runner)
             steps.append((view, [seqs.index(s) for s in finished], sched.num_preemptions,
-                          bm.peak_used_blocks, list(bm.free_queue)))
+                          bm.peak_used_blocks, list(bm.free_queue), dict(bm.cached)))
             step += 1
             assert step < 5000
         runs.append((steps, [(s.token_ids, s.finish_reason, s.stop_reason) for s in seqs]))
