@@ -2106,10 +2106,11 @@ void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, lo
             }
             float m = vals[0];
             double acc = 0;
-            for (long q = 0; q < c; q++) {
-                w[q] = exp2_neg(splat((vals[q] - m) * scale[i]))[0];
-                cum[q] = (float)(acc += w[q]);
-            }
+            long q0 = 0;
+            for (; q0 + VW <= c; q0 += VW) /* lane by lane the same as one at a time */
+                storev(w + q0, exp2_neg((loadv(vals + q0) - splat(m)) * splat(scale[i])));
+            for (; q0 < c; q0++) w[q0] = exp2_neg(splat((vals[q0] - m) * scale[i]))[0];
+            for (long q = 0; q < c; q++) cum[q] = (float)(acc += w[q]);
             float cand = cum[c - 1], before_last = cand - w[c - 1];
             int cut = c >= V || w[c - 1] == 0 || w[c - 1] < mp; /* the kept set ends inside the candidates */
             if (!fused) {
