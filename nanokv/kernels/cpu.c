@@ -1962,6 +1962,19 @@ static inline v8 min8(v8 a, v8 b) { /* a where a < b, else b: vminps's rule */
 #endif
 }
 
+/* lane q: the largest lane of v[q] (no NaN), by three rounds of pairwise maxima */
+static inline v8 block_maxima8(const v8 *v) {
+    v8 c[4], d[2];
+    for (int q = 0; q < 4; q++)
+        c[q] = max8(__builtin_shufflevector(v[2 * q], v[2 * q + 1], 0, 8, 2, 10, 4, 12, 6, 14),
+                    __builtin_shufflevector(v[2 * q], v[2 * q + 1], 1, 9, 3, 11, 5, 13, 7, 15));
+    for (int q = 0; q < 2; q++) /* lanes: v[4q..4q+3]'s over their halves */
+        d[q] = max8(__builtin_shufflevector(c[2 * q], c[2 * q + 1], 0, 1, 8, 9, 4, 5, 12, 13),
+                    __builtin_shufflevector(c[2 * q], c[2 * q + 1], 2, 3, 10, 11, 6, 7, 14, 15));
+    return max8(__builtin_shufflevector(d[0], d[1], 0, 1, 2, 3, 8, 9, 10, 11),
+                __builtin_shufflevector(d[0], d[1], 4, 5, 6, 7, 12, 13, 14, 15));
+}
+
 #define FUSED_AHEAD (8 * SB) /* floats: the exp work of a block hides the fetch of one 8 blocks on */
 
 /* One read of a row for what a draw with top_k off needs first: the keys of its blocks' maxima
@@ -1977,6 +1990,26 @@ static double fused_row(const float *x, long V, long B, float scale, int32_t *mk
     for (long b0 = 0, b = 0; b0 < V; b0 += SB, b++) {
         long end = b0 + SB < V ? b0 + SB : V, j = b0;
         v8 mx = (v8){} - INFINITY, mn = (v8){} + INFINITY, any = {};
+        if (B == 32 && end - b0 == SB) { /* 8 blocks of 32: their maxima reduced side by side */
+            v8 bms[8];
+            for (int q = 0; q < 8; q++, j += 32) {
+                v8 v0 = load8(x + j), v1 = load8(x + j + 8), v2 = load8(x + j + 16), v3 = load8(x + j + 24);
+                any += (v0 + v1) + (v2 + v3);
+                v8 bm = max8(max8(v3, v2), max8(v1, v0)), bn = min8(min8(v3, v2), min8(v1, v0)); /* ties: the first */
+                bms[q] = bm;
+                mx = max8(bm, mx);
+                mn = min8(bn, mn);
+            }
+            v8 h = block_maxima8(bms);
+            v8i k;
+            memcpy(&k, &h, 32);
+            k ^= (k >> 31) & 0x7fffffff; /* fkey's, lane by lane */
+            memcpy(mk + b0 / 32, &k, 32);
+            for (int bits = mask_bits8(h == (v8){}); bits; bits &= bits - 1) { /* a zero: -0 beside +0? */
+                int l = __builtin_ctz(bits);
+                mk[b0 / 32 + l] = block_max_key(x + b0 + 32 * l, 32);
+            }
+        }
         for (; j + B <= end; j += B) { /* the full blocks of B: their maxima */
             v8 bm = load8(x + j), bn = bm;
             any += bm;
