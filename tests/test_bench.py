@@ -161,8 +161,9 @@ def test_micro_host_time_reports_every_phase_per_context(capsys):
     for row in result["rows"]:
         assert row["num_seqs"] == 6 and all(row[f"{k}_ms"] > 0 for k in phases)
         assert row["total_ms"] == round(sum(row[f"{k}_ms"] for k in phases), 3)
+        assert row["mean_step_ms"] > 0
     table = capsys.readouterr().out
-    assert "| context | schedule | prepare |" in table and "| 40 |" in table
+    assert "| context | schedule | prepare |" in table and "| mean step (ms) |" in table and "| 40 |" in table
     assert list(bench.MICRO_SECTIONS) == ["host_time", "sampler"]
 
 
