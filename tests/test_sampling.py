@@ -442,3 +442,21 @@ def test_greedy_tokens_equal_argmax_with_ties_infinities_and_nans(vocab):
     assert torch.equal(greedy_tokens(wide[:, :vocab]), wide[:, :vocab].argmax(dim=-1))
     assert torch.equal(greedy_tokens(wide[::2, vocab:]), wide[::2, vocab:].argmax(dim=-1))
     assert torch.get_num_threads() == threads  # one_thread() gave the threads back
+
+
+def test_seed_keys_are_seed_for_token_for_every_seed():
+    """seed_keys (the runner's per-step keys, inlined) is seed_for_token, for seeds of any
+    sign and size a request may give, at any token index; rows without a seed are left out."""
+    from types import SimpleNamespace
+
+    from nanokv.layers.sampler import seed_for_token, seed_keys
+
+    rng = random.Random(5)
+    seeds = [0, 1, -1, 2**63 - 1, -(2**63), 2**64 - 1, 2**64 + 40]
+    seeds += [rng.randrange(-(2**63), 2**64) for _ in range(200)]
+    rows = [SimpleNamespace(seed=s, num_generated=rng.randrange(0, 10**6)) for s in seeds]
+    rows.insert(3, SimpleNamespace(seed=None, num_generated=4))
+    picked = list(range(len(rows)))
+    assert seed_keys(rows, picked) == [(i, seed_for_token(r.seed, r.num_generated)) for i, r in enumerate(rows)
+                                       if r.seed is not None]
+    assert all(0 <= k < 2**63 for _, k in seed_keys(rows, picked))

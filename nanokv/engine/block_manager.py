@@ -200,41 +200,32 @@ class BlockManager:
         self.query_tokens += num_query_tokens
         self.hit_tokens += num_hit_tokens
 
-    def cache_next_block(self, seq: Sequence) -> None:
-        """cache_full_blocks for a sequence whose computed tokens just filled one more block
-        (a decode): the same effects, for that one block, without the general loops."""
-        i, bs, hashes = seq.num_hashed_blocks, self.block_size, seq.block_hashes
-        if not self.enable_prefix_caching or seq.num_computed_tokens // bs != i + 1 or len(hashes) < i:
-            self.cache_full_blocks(seq)
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register seq's newly completed blocks (all tokens computed) in the prefix cache.
+        The common case, a decode that filled one more block, takes no loop."""
+        if not self.enable_prefix_caching:
             return
-        tokens = seq.token_ids
-        if len(hashes) == i:
-            hashes.append(hash_block(hashes[-1] if i else None, tokens[i * bs:(i + 1) * bs]))
-        h = hashes[i]
+        bs, first, hashes = self.block_size, seq.num_hashed_blocks, seq.block_hashes
+        num_full = seq.num_computed_tokens // bs
+        if num_full <= first:
+            return
+        if num_full == first + 1 and len(hashes) >= first:  # one block: its hash at most one call away
+            if len(hashes) == first:
+                hashes.append(hash_block(hashes[-1] if first else None, seq.token_ids[first * bs:num_full * bs]))
+            self._register(seq, first)
+        else:
+            self.block_hashes(seq, num_full * bs)
+            for i in range(first, num_full):
+                self._register(seq, i)
+        if self.in_flight:
+            self._clear_in_flight(seq, first, num_full)
+        seq.num_hashed_blocks = num_full
+
+    def _register(self, seq: Sequence, i: int) -> None:
+        """Block i of seq (full, its hash known) into the prefix cache, unless it is there."""
+        h, bs = seq.block_hashes[i], self.block_size
         block = self.blocks[seq.block_table[i]]
         if block.block_hash is None and h not in self.cached:
             block.block_hash = h
-            block.token_ids = tuple(tokens[i * bs:(i + 1) * bs])
+            block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             self.cached[h] = block.block_id
-        if self.in_flight:
-            self._clear_in_flight(seq, i, i + 1)
-        seq.num_hashed_blocks = i + 1
-
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register seq's newly completed blocks (all tokens computed) in the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
-        num_full = seq.num_computed_tokens // self.block_size
-        if num_full <= seq.num_hashed_blocks:
-            return
-        bs = self.block_size
-        hashes = self.block_hashes(seq, num_full * bs)
-        for i in range(seq.num_hashed_blocks, num_full):
-            block = self.blocks[seq.block_table[i]]
-            if block.block_hash is None and hashes[i] not in self.cached:
-                block.block_hash = hashes[i]
-                block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-                self.cached[hashes[i]] = block.block_id
-        if self.in_flight:
-            self._clear_in_flight(seq, seq.num_hashed_blocks, num_full)
-        seq.num_hashed_blocks = num_full

@@ -217,7 +217,6 @@ class Scheduler:
         bm = self.block_manager
         # a block fills at most every block_size tokens: look at the prefix cache only then
         cache_from = bm.block_size if bm.enable_prefix_caching else None
-        eos = self.eos_token_ids
         finished: list[Sequence] = []
         for item in batch.seqs:
             seq = by_id[item.seq_id]
@@ -231,8 +230,7 @@ class Scheduler:
                 if logprobs is not None:
                     self._add_logprobs(seq, next(logprobs, None))
                 # only these can end it: the cheap test first, the rules in _check_stop
-                if (len(tokens) - seq.num_prompt_tokens >= seq.max_tokens or token in seq.stop_token_ids
-                        or token in eos) and self._check_stop(seq):
+                if (len(tokens) >= seq.token_limit or token in seq.stoppers) and self._check_stop(seq):
                     finished.append(seq)
         return finished
 
@@ -246,7 +244,7 @@ class Scheduler:
         for seq, token in zip(seqs, output.sampled_token_ids):
             computed = seq.num_computed_tokens = seq.num_computed_tokens + 1
             if computed >= (seq.num_hashed_blocks + 1) * cache_from:
-                bm.cache_next_block(seq)
+                bm.cache_full_blocks(seq)
             tokens = seq.token_ids
             tokens.append(token)
             if (len(tokens) >= seq.token_limit or token in seq.stoppers) and self._check_stop(seq):

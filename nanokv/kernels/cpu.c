@@ -1562,18 +1562,24 @@ static int cand_cmp(const void *pa, const void *pb) {
 
 /* The k best of n (key, id) items given in ascending id order (larger key first, then lower
  * id), sorted so, into out[0..k). tmp: n ints. */
-static void select_best(const int32_t *keys, const int32_t *ids, long n, long k, int32_t *tmp, struct cand *out) {
-    if (n <= k + k / 4 && n <= 80) { /* few more than k: sort them all (insertion, stable), keep k */
-        struct cand all[80];
-        for (long i = 0; i < n; i++) {
-            struct cand c = {keys[i], ids ? ids[i] : (int32_t)i};
-            long j = i - 1;
-            while (j >= 0 && all[j].key < c.key) {
-                all[j + 1] = all[j];
-                j--;
-            }
-            all[j + 1] = c;
+/* c[0..n) sorted by larger key first, stably (insertion: for the few dozen items here) */
+static void sort_cands(struct cand *c, long n) {
+    for (long i = 1; i < n; i++) {
+        struct cand x = c[i];
+        long j = i - 1;
+        while (j >= 0 && c[j].key < x.key) {
+            c[j + 1] = c[j];
+            j--;
         }
+        c[j + 1] = x;
+    }
+}
+
+static void select_best(const int32_t *keys, const int32_t *ids, long n, long k, int32_t *tmp, struct cand *out) {
+    if (n <= k + k / 4 && n <= 80) { /* few more than k: sort them all, keep k */
+        struct cand all[80];
+        for (long i = 0; i < n; i++) all[i] = (struct cand){keys[i], ids ? ids[i] : (int32_t)i};
+        sort_cands(all, n);
         memcpy(out, all, sizeof *out * (n < k ? n : k));
         return;
     }
@@ -1585,19 +1591,10 @@ static void select_best(const int32_t *keys, const int32_t *ids, long n, long k,
     for (long i = 0; i < n && got < k; i++) {
         if (keys[i] > t || (keys[i] == t && ties-- > 0)) out[got++] = (struct cand){keys[i], ids ? ids[i] : (int32_t)i};
     }
-    if (k <= 64) { /* insertion sort, stable: items came in id order */
-        for (long i = 1; i < k; i++) {
-            struct cand c = out[i];
-            long j = i - 1;
-            while (j >= 0 && out[j].key < c.key) {
-                out[j + 1] = out[j];
-                j--;
-            }
-            out[j + 1] = c;
-        }
-    } else {
+    if (k <= 64) /* items came in id order: the stable sort keeps ties lower id first */
+        sort_cands(out, k);
+    else
         qsort(out, k, sizeof *out, cand_cmp);
-    }
 }
 
 static inline int32_t block_max_key(const float *x, long B) {
@@ -1651,8 +1648,8 @@ static void top_row_given(const float *x, long V, long k, long B, int32_t *work,
     struct cand *best;
     if (B) {
         long nb = V / B, pool = (k + 1) * B, P = 0; /* pool: k blocks and the ragged end (< B) */
-        int32_t *sk = work, *sid = sk + nb, *pk = sid + nb, *pid = pk + pool, *keys = pid + pool,
-                *tmp = keys + B, *mk = tmp + (nb > pool ? nb : pool); /* mk: nb ints, if not given */
+        int32_t *sk = work, *sid = sk + nb, *pk = sid + nb, *pid = pk + pool, *tmp = pid + pool,
+                *mk = tmp + (nb > pool ? nb : pool); /* mk: nb ints, if not given */
         best = (struct cand *)(mk + nb);
         if (!given) {
             for (long b = 0; b < nb; b++) mk[b] = block_max_key(x + b * B, B);

@@ -230,12 +230,9 @@ class ModelRunner:
         return t
 
     def _penalty_tensors(self, t: SamplingTensors, rows: list[ScheduledSeq]) -> None:
-        """Per-row penalty values, and the penalised rows' distinct tokens from counts kept
-        per sequence across steps (a step counts only its new tokens)."""
+        """The penalised rows' distinct tokens, from counts kept per sequence across steps (a
+        step counts only its new tokens); the per-row values are _FixedSettings'."""
         dev = self.device
-        t.repetition = list_tensor([s.params.repetition_penalty for s in rows], torch.float32, dev)
-        t.presence = list_tensor([s.params.presence_penalty for s in rows], torch.float32, dev)
-        t.frequency = list_tensor([s.params.frequency_penalty for s in rows], torch.float32, dev)
         penalised, counts = [], []
         for i, s in enumerate(rows):
             if s.params.has_penalties:
@@ -284,7 +281,7 @@ class _FixedSettings:
 
     params: list[SamplingParams]  # the rows' own objects, compared by identity
     vocab: int
-    tensors: SamplingTensors  # seeded, banned and the penalty fields unset
+    tensors: SamplingTensors  # seeded, banned and the penalised (row, token) counts unset
     seeded_rows: list[int]  # rows that draw with their request's seed
     penalties: bool
     min_tokens: bool
@@ -311,8 +308,10 @@ class _FixedSettings:
             if any(p.min_p > 0 for p in params):
                 t.min_p = column([p.min_p for p in params])
             seeded_rows = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
-        penalties = (list(map(_REPETITION, params)).count(1) != n or list(map(_PRESENCE, params)).count(0) != n
-                     or list(map(_FREQUENCY, params)).count(0) != n)  # some row has_penalties
+        repetition, presence, frequency = (list(map(f, params)) for f in (_REPETITION, _PRESENCE, _FREQUENCY))
+        penalties = repetition.count(1) != n or presence.count(0) != n or frequency.count(0) != n
+        if penalties:  # some row has_penalties
+            t.repetition, t.presence, t.frequency = (column(v) for v in (repetition, presence, frequency))
         logprobs = list(map(_LOGPROBS, params))
         asked = [] if logprobs.count(None) == n else [i for i, k in enumerate(logprobs) if k is not None]
         if asked:
