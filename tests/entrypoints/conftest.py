@@ -34,7 +34,15 @@ class Server:
     """`python -m nanokv serve MODEL ARGS --port P`; stop() in a finally."""
 
     def __init__(self, model: str, *args: str, log_path: str):
-        self.model, self.args, self.log_path = model, list(args), log_path
+        # HTTP/1.1's keep-alive race: a client that reuses an idle connection just as the
+        # server's idle timer (5 s) closes it gets a connection error. Clients retry those
+        # (openai's SDK twice); these tests send with max_retries=0 to count every request
+        # once, and a loaded 2-core machine can hold a connection idle for 5 s while the
+        # client reads behind the server (200 streams beside two CPU hogs: 3 runs in 27; CI
+        # once). An idle time longer
+        # than any test rules the race out; a test's own --timeout-keep-alive comes later
+        # and wins.
+        self.model, self.args, self.log_path = model, ["--timeout-keep-alive", "600", *args], log_path
         self.proc: subprocess.Popen | None = None
         self.port = 0
 

@@ -184,6 +184,10 @@ def test_serve_flag_errors_exit_2(capsys):
     assert "nanokv serve: error: " in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--port", "70000"])
+    for seconds in ("0", "-1", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            main(["serve", "--timeout-keep-alive", seconds])
+        assert "must be a positive number of seconds" in capsys.readouterr().err
 
 
 def test_max_tokens_past_max_model_len_is_400_and_shorter_ones_are_clamped(offline):

@@ -1,12 +1,15 @@
 """Graceful shutdown of `nanokv serve`: SIGTERM lets an in-flight stream finish and exits
 0; with --shutdown-timeout 0, SIGINT aborts what runs (the stream ends with an error
-event and [DONE]) and still exits 0. Either way the port is closed afterwards."""
+event and [DONE]) and still exits 0. Either way the port is closed afterwards. An idle
+keep-alive connection is closed after --timeout-keep-alive, a busy one is not."""
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
+import time
 
 import pytest
 
@@ -70,3 +73,37 @@ def test_sigint_with_no_grace_aborts_in_flight_requests_and_exits_0(model_dir, s
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url + "/health", timeout=5)
     assert "Traceback" not in server.read_log()
+
+
+def read_response(sock: socket.socket, buffer: bytes) -> tuple[bytes, bytes]:
+    """One HTTP/1.1 response with a Content-Length from sock: (the response, what followed)."""
+    while b"\r\n\r\n" not in buffer:
+        data = sock.recv(65536)
+        assert data, f"the connection closed mid-response: {buffer!r}"
+        buffer += data
+    head, _, rest = buffer.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    while len(rest) < length:
+        data = sock.recv(65536)
+        assert data, "the connection closed mid-body"
+        rest += data
+    return head + b"\r\n\r\n" + rest[:length], rest[length:]
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_timeout_keep_alive(model_dir, start_server):
+    server = start_server(model_dir, "--max-model-len", "128", "--timeout-keep-alive", "1.5")
+    get = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
+        # three requests on one connection, each sent 1 s after the last answer: kept open
+        buffer = b""
+        for _ in range(3):
+            sock.sendall(get)
+            response, buffer = read_response(sock, buffer)
+            assert response.startswith(b"HTTP/1.1 200"), response
+            time.sleep(1.0)
+        # then idle: the server closes it about 1.5 s after the last answer (the default
+        # would be 5 s; the Server class's 600 s came first on the command line)
+        idle_from = time.monotonic() - 1.0
+        assert sock.recv(65536) == b""  # the server's FIN, nothing else
+        idle = time.monotonic() - idle_from
+        assert idle < 4.5, idle

@@ -6,6 +6,7 @@ import argparse
 
 from nanokv.config import EngineArgs
 from nanokv.entrypoints.cli.common import InputError, Rank
+from nanokv.entrypoints.openai.settings import ServerSettings
 from nanokv.sampling_params import SamplingParams
 
 
@@ -121,19 +122,21 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                      help="the model (the same as --model; default: --model's default)")
     http = srv.add_argument_group("server")
-    http.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    http.add_argument("--port", type=_port, default=8000, help="port to listen on")
+    http.add_argument("--host", default=ServerSettings.host, help="address to listen on (0.0.0.0: every interface)")
+    http.add_argument("--port", type=_port, default=ServerSettings.port, help="port to listen on")
     http.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                       help="the model names clients use (the first is reported in responses); default: MODEL")
     http.add_argument("--api-key", default=None,
                       help="require 'Authorization: Bearer <key>' on every /v1 route (unset: $NANOKV_API_KEY "
                            "if set, else no key)")
-    http.add_argument("--max-waiting", type=_positive_int, default=1024,
+    http.add_argument("--max-waiting", type=_positive_int, default=ServerSettings.max_waiting,
                       help="most sequences (prompts x n) queued for admission; beyond it requests get 503 "
                            "with Retry-After")
-    http.add_argument("--shutdown-timeout", type=_non_negative_float, default=30.0,
+    http.add_argument("--shutdown-timeout", type=_non_negative_float, default=ServerSettings.shutdown_timeout,
                       help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they are aborted")
-    http.add_argument("--uvicorn-log-level", default="info",
+    http.add_argument("--timeout-keep-alive", type=_positive_float, default=ServerSettings.timeout_keep_alive,
+                      help="seconds an idle HTTP keep-alive connection stays open (vLLM's and uvicorn's default: 5)")
+    http.add_argument("--uvicorn-log-level", default=ServerSettings.log_level,
                       choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
     eng = srv.add_argument_group("engine (LLM(...) arguments)")
     EngineArgs.add_cli_args(eng)
@@ -145,6 +148,13 @@ def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):  # also NaN
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
 
 

@@ -37,12 +37,14 @@ def serve(args) -> int:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("nanokv").setLevel(logging.INFO)
 
-    from nanokv.entrypoints.openai.api_server import ServerSettings, run_server
+    from nanokv.entrypoints.openai.api_server import run_server
+    from nanokv.entrypoints.openai.settings import ServerSettings
 
     settings = ServerSettings(
         model_names=tuple(args.served_model_name or [model]), host=args.host, port=args.port,
         api_key=args.api_key if args.api_key is not None else os.environ.get("NANOKV_API_KEY") or None,
-        max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout, log_level=args.uvicorn_log_level)
+        max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
+        timeout_keep_alive=args.timeout_keep_alive, log_level=args.uvicorn_log_level)
     try:
         return run_server(EngineArgs.from_cli_args(args, model=model), settings)
     except ValueError as e:  # a bad engine flag or model

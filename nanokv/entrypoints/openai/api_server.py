@@ -18,7 +18,6 @@ import logging
 import signal
 import sys
 import time
-from dataclasses import dataclass
 
 try:
     import prometheus_client
@@ -37,25 +36,13 @@ from nanokv.config import EngineArgs
 from nanokv.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from nanokv.entrypoints.openai.protocol import APIError, bad_request, error_body
 from nanokv.entrypoints.openai.serving import OpenAIServing, json_response
+from nanokv.entrypoints.openai.settings import ServerSettings
 
 logger = logging.getLogger("nanokv")
 
 MAX_BODY_BYTES = 32 * 2**20  # a prompt of max_model_len tokens is far smaller
 MAX_DEPTH = 32  # JSON nesting: OpenAI's bodies need 5 levels; deeper ones would strain repr() and friends
 OFFLOAD_BYTES = 64 * 2**10  # bodies this big are parsed and tokenized off the event loop
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """What the server needs besides the engine arguments."""
-
-    model_names: tuple[str, ...]  # --served-model-name (the first is reported), else the model
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_waiting: int | None = 1024
-    shutdown_timeout: float = 30.0
-    log_level: str = "info"
 
 
 def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
@@ -251,7 +238,8 @@ def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
         app = build_app(llm, settings)
         # uvicorn's own grace is a backstop: the app ends its requests after shutdown_timeout
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                                timeout_graceful_shutdown=settings.shutdown_timeout + 10, lifespan="on")
+                                timeout_graceful_shutdown=settings.shutdown_timeout + 10, lifespan="on",
+                                timeout_keep_alive=settings.timeout_keep_alive)
         server = _Server(config, llm, settings.shutdown_timeout)
         state["server"] = server
         try:

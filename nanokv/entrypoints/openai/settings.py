@@ -1,0 +1,21 @@
+"""The server's settings besides the engine arguments, and their defaults: the one source
+for `nanokv serve`'s flags (arguments.py) and the app (api_server.py). Imports nothing
+of the serve extra, so the CLI can read the defaults without fastapi."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the server needs besides the engine arguments."""
+
+    model_names: tuple[str, ...]  # --served-model-name (the first is reported), else the model
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_waiting: int | None = 1024  # sequences queued for admission; beyond it 503
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    timeout_keep_alive: float = 5.0  # seconds an idle keep-alive connection stays open (vLLM's, uvicorn's)
+    log_level: str = "info"  # uvicorn's
