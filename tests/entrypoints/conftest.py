@@ -39,9 +39,8 @@ class Server:
         # (openai's SDK twice); these tests send with max_retries=0 to count every request
         # once, and a loaded 2-core machine can hold a connection idle for 5 s while the
         # client reads behind the server (200 streams beside two CPU hogs: 3 runs in 27; CI
-        # once). An idle time longer
-        # than any test rules the race out; a test's own --timeout-keep-alive comes later
-        # and wins.
+        # once). An idle time longer than any test rules the race out; a test's own
+        # --timeout-keep-alive comes later and wins.
         self.model, self.args, self.log_path = model, ["--timeout-keep-alive", "600", *args], log_path
         self.proc: subprocess.Popen | None = None
         self.port = 0
