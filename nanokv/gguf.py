@@ -22,6 +22,9 @@ its chat template and EOS id, and the weights (usually quantized). What is read 
   removed). Entries are written atomically (a temporary folder, then os.replace); an
   entry that cannot be read is derived from the file again and rewritten, and a cache
   that cannot be written is skipped (logged at INFO): the cache never stops a load.
+  What transformers' config leaves out is then read from the file on every load
+  (`_complete_config`): head_dim, and the rope scaling (llama3's from the rope_freqs
+  tensor, linear and yarn from the metadata).
 
 From there a GGUF takes the safetensors path: fused qkv / gate_up, CPU kernel packing,
 tensor-parallel slices. Only one dequantized tensor lives outside the model at a time, so
@@ -63,8 +66,9 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 # block types and its k-quants
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-# tensors some files carry that the model does not load (transformers skips them too)
-_SKIPPED = {"rope_freqs.weight": "precomputed rotary factors (Llama 3.1 rope scaling)"}
+# a tensor some Llama files carry that is no weight: llama.cpp's rope frequency factors
+# (Llama 3.1's rope scaling, precomputed), read into the config's rope_scaling
+ROPE_FREQS = "rope_freqs.weight"
 _SPLIT_FILE = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 
 
@@ -153,7 +157,122 @@ def load_config(path: str):
     if config.model_type not in ARCHITECTURES:
         raise ValueError(f"{path} is a {config.model_type!r} GGUF; nanokv loads GGUF architectures {supported}")
     config.architectures = [ARCHITECTURES[config.model_type]]
+    _complete_config(path, config)
     return config
+
+
+def _complete_config(path: str, config) -> None:
+    """What transformers' GGUF config leaves out (it reads no head_dim for Qwen3 and no rope
+    scaling for these architectures), from the file's metadata and its rope_freqs tensor:
+    head_dim from `<arch>.attention.key_length`; rope_scaling from `<arch>.rope.scaling.*`
+    (linear, yarn) or from rope_freqs (llama3). Done on every load (a header read), so a
+    config cached before this existed is completed too."""
+    from nanokv.layers.rotary import rope_parameters
+
+    arch, theta = config.model_type, float(rope_parameters(config)["rope_theta"])
+    keys = {f"{arch}.{k}": None for k in ("attention.key_length", "rope.scaling.type", "rope.scaling.factor",
+                                           "rope.scaling.original_context_length")}
+    tensors = read_tensors(path, keys)
+    head_dim = keys.get(f"{arch}.attention.key_length")
+    if head_dim:
+        config.head_dim = int(head_dim)
+    rope_scaling = None
+    kind = keys.get(f"{arch}.rope.scaling.type")
+    if kind not in (None, "", "none"):
+        factor = keys.get(f"{arch}.rope.scaling.factor")
+        if kind not in ("linear", "yarn") or not factor:
+            raise ValueError(f"{path}: rope scaling {kind!r} (factor {factor}) in the GGUF metadata is not "
+                             "supported; nanokv reads linear and yarn scaling, and llama3's rope_freqs tensor")
+        rope_scaling = {"rope_type": kind, "factor": float(factor)}
+        original = keys.get(f"{arch}.rope.scaling.original_context_length")
+        if kind == "yarn" and original:
+            rope_scaling["original_max_position_embeddings"] = int(original)
+    freqs = next((t for t in tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:
+        if rope_scaling is not None:
+            raise ValueError(f"{path} has both {ROPE_FREQS} and rope scaling {kind!r} in its metadata; nanokv "
+                             "reads one of the two")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rope_scaling = rope_scaling_from_factors(path, gguf_array(freqs), theta, head_dim)
+    if rope_scaling is None:
+        return
+    if hasattr(config, "rope_parameters"):  # transformers 5: one dict, the theta in it (rope_scaling is its alias)
+        config.rope_parameters = {**rope_scaling, "rope_theta": theta}
+    else:
+        config.rope_scaling = rope_scaling
+
+
+def gguf_array(tensor: GGUFTensor):
+    """A float or int tensor's values as a float64 numpy array."""
+    import numpy as np
+
+    if tensor.tensor_type.name not in _NUMPY_DTYPES:
+        raise ValueError(f"tensor {tensor.name} is stored as {tensor.tensor_type.name}, not as floats")
+    return np.asarray(tensor.data, dtype=np.float64).reshape(-1)
+
+
+def rope_scaling_from_factors(path: str, factors, rope_theta: float, head_dim: int) -> dict | None:
+    """The rope scaling that llama.cpp's rope_freqs factors stand for (it divides each rotary
+    frequency by its factor). Llama 3.1's: 1 for short wavelengths, `factor` for long ones,
+    a smooth blend between, given back as its config.json has it ({"rope_type": "llama3",
+    factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}). The
+    table depends on the last three only through two numbers, so they are recovered as
+    Meta's values (low 1, high 4, original 8192) when those give the table, else solved
+    with low_freq_factor 1 (from two or more blended factors; from one, the first integer
+    original context that fits). None when every factor is 1; linear scaling when all are
+    one factor > 1.
+    Checked: llama3's formula on the result gives the file's factors (relative 1e-5)."""
+    import numpy as np
+
+    factors = np.asarray(factors, dtype=np.float64)
+    if factors.shape != (head_dim // 2,):
+        raise ValueError(f"{path}: {ROPE_FREQS} has {factors.size} values; head_dim {head_dim} has "
+                         f"{head_dim // 2} rotary frequencies")
+    if np.allclose(factors, 1.0, rtol=0, atol=1e-6):
+        return None
+    factor = float(factors.max())
+    if np.allclose(factors, factor, rtol=1e-6, atol=0):  # every frequency divided alike: linear scaling
+        return {"rope_type": "linear", "factor": factor}
+    if not factors.min() >= 1.0 - 1e-6:  # also NaN
+        raise ValueError(f"{path}: {ROPE_FREQS} has a factor below 1 ({factors.min()}); llama3's rope scaling "
+                         "only divides frequencies, nanokv cannot run this file's rope")
+    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+
+    def table(low: float, high: float, original: float):
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (original / wavelen - low) / (high - low)
+        blended = 1.0 / ((1 - smooth) / factor + smooth)
+        return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, blended))
+
+    def matches(low: float, high: float, original: float) -> bool:
+        return bool(np.allclose(table(low, high, original), factors, rtol=1e-5, atol=0))
+
+    candidates = [(1.0, 4.0, 8192)]
+    # the blended ones: smooth = a * inv_freq - b, with original = 2 pi a / b and high = 1 + 1 / b at low 1
+    blended = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    smooth = (1 / factors - 1 / factor) / (1 - 1 / factor)
+    if blended.sum() >= 2:
+        a, minus_b = np.polyfit(inv_freq[blended], smooth[blended], 1)
+        if minus_b < 0:
+            high, original = float(1 - 1 / minus_b), float(2 * math.pi * a / -minus_b)
+            candidates += [(1.0, round(high, 3), round(original)), (1.0, high, round(original)), (1.0, high, original)]
+    elif blended.sum() == 1:  # Meta's high 4 if it fits, else an original context below the scaled wavelengths
+        s, w = smooth[blended][0], 2 * math.pi / inv_freq[blended][0]
+        candidates.append((1.0, 4.0, round((3 * s + 1) * w)))
+        scaled = factors >= factor * (1 - 1e-6)
+        longest = 2 * math.pi / inv_freq[scaled].max() if scaled.any() else 64 * w
+        for original in np.geomspace(w * (1 + 1e-6), longest * (1 - 1e-6), 64):
+            candidates.append((1.0, float(1 + (round(original) / w - 1) / s), round(original)))
+    else:  # only unscaled and scaled ones (both, as neither case above holds): Meta's high 4, the original between
+        short = 2 * math.pi / inv_freq[factors <= 1 + 1e-6].min()
+        long = 2 * math.pi / inv_freq[factors >= factor * (1 - 1e-6)].max()
+        candidates.append((1.0, 4.0, round(math.sqrt(4 * short * long))))
+    for low, high, original in candidates:
+        if original > 0 and high > low and matches(low, high, original):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                    "original_max_position_embeddings": original}
+    raise ValueError(f"{path}: the factors in {ROPE_FREQS} are not Llama 3.1's rope scaling (no low/high "
+                     "frequency factors and original context give them); nanokv cannot run this file's rope")
 
 
 def load_tokenizer(path: str):
@@ -238,6 +357,8 @@ _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 # a string (u64 length, UTF-8) and an array (u32 item type, u64 count, the items)
 _FIXED_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _UINT32, _STRING, _ARRAY = 4, 8, 9
+_SCALARS = {t: struct.Struct("<" + c) for t, c in
+            {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}.items()}
 # ggml types GGUFReader gives in their numpy dtype; the others (the block types, BF16) as bytes
 _NUMPY_DTYPES = {"F16": "float16", "F32": "float32", "F64": "float64", "I8": "int8", "I16": "int16",
                  "I32": "int32", "I64": "int64"}
@@ -255,15 +376,17 @@ class GGUFTensor:
     data: Any  # np.ndarray
 
 
-def read_tensors(path: str) -> list[GGUFTensor]:
+def read_tensors(path: str, metadata: dict | None = None) -> list[GGUFTensor]:
     """The file's tensors, from its header alone (GGUFReader(path).tensors, without its
-    views of every metadata item). ValueError names the path and what is wrong with it."""
+    views of every metadata item). ValueError names the path and what is wrong with it.
+    `metadata`, {key: None}, is filled with the values of those keys the file has (scalars
+    and strings; the others are left out)."""
     import gguf
     import numpy as np
 
     size = os.path.getsize(path)
     file = np.memmap(path, mode="r") if size else np.zeros(0, np.uint8)  # uint8 [size]
-    header = _Header(path, memoryview(file))
+    header = _Header(path, memoryview(file), frozenset(k.encode() for k in metadata or ()))
     try:
         infos, data_start = header.parse()
     except struct.error:  # a read ran off the end
@@ -285,14 +408,18 @@ def read_tensors(path: str) -> list[GGUFTensor]:
         dtype = _NUMPY_DTYPES.get(qtype.name)
         data = data.view(dtype).reshape(shape) if dtype else data.reshape(gguf.quant_shape_to_byte_shape(shape, qtype))
         tensors.append(GGUFTensor(name, qtype, data))
+    if metadata is not None:
+        metadata.clear()
+        metadata.update(header.values)
     return tensors
 
 
 class _Header:
     """A cursor over a GGUF header (little-endian). A read past the end raises struct.error."""
 
-    def __init__(self, path: str, buf: memoryview):
+    def __init__(self, path: str, buf: memoryview, wanted: frozenset[bytes] = frozenset()):
         self.path, self.buf, self.pos = path, buf, 0
+        self.wanted, self.values = wanted, {}  # metadata keys to keep -> their values (scalars, strings)
 
     def fail(self, problem: str):
         raise ValueError(f"{self.path}: {problem}")
@@ -351,6 +478,12 @@ class _Header:
         alignment = 32  # GGUF's default
         for _ in range(n_kv):
             key, value_type = self.string(), self.u32()
+            if key in self.wanted and value_type in _SCALARS:
+                (value,) = _SCALARS[value_type].unpack_from(self.buf, self.pos)
+                self.values[key.decode()] = value
+            elif key in self.wanted and value_type == _STRING:
+                self.values[key.decode()] = self.string().decode("utf-8", errors="replace")
+                continue
             if key != b"general.alignment":
                 self.skip(value_type)
                 continue
@@ -403,8 +536,7 @@ class GGUFCheckpoint:
         to_hf = _gguf_to_hf_names(gguf.get_tensor_name_map(arch, hf_config.num_hidden_layers), names)
         self._tensors = {}
         for t in read_tensors(path):  # memory-mapped: tensor data is read when dequantized
-            if t.name in _SKIPPED:
-                logger.warning("%s: ignoring %s, %s, as transformers does", path, t.name, _SKIPPED[t.name])
+            if t.name == ROPE_FREQS:  # in the config (load_config), not a weight
                 continue
             if t.tensor_type.name not in TENSOR_TYPES:
                 raise ValueError(f"{path}: tensor {t.name} is stored as {t.tensor_type.name}; nanokv dequantizes "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -24,6 +25,7 @@ import torch
 
 from nanokv import LLM, SamplingParams
 from nanokv import gguf as nk_gguf
+from nanokv.testing.tiny import rope_info
 
 from .conftest import random_prompts
 
@@ -37,10 +39,10 @@ def private_gguf_cache(monkeypatch, tmp_path):
     """The config / tokenizer cache of each test in a folder of its own."""
     monkeypatch.setattr(nk_gguf, "cache_dir", lambda: tmp_path / "gguf-cache")
 
-SHAPES = {  # shape -> (GGUF architecture, overrides: transformers' GGUF config needs these)
-    "llama3-tiny": ("llama", dict(rope_scaling=None)),  # GGUF metadata carries no llama3 rope scaling
-    "qwen2-tiny": ("qwen2", {}),
-    "qwen3-tiny": ("qwen3", dict(head_dim=128)),  # transformers reads no head_dim for qwen3: its default
+SHAPES = {  # shape -> GGUF architecture; llama3-tiny has llama3 rope scaling, qwen3-tiny head_dim 32 (not 64 / 4)
+    "llama3-tiny": "llama",
+    "qwen2-tiny": "qwen2",
+    "qwen3-tiny": "qwen3",
 }
 # mixed on purpose: every block type the writer can make, plus floats
 TYPES = {"token_embd": Q.F16, "attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "attn_output": Q.Q5_0,
@@ -52,8 +54,29 @@ def _llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_dir: str, path: str, arch: str, extra_tensors=()) -> str:
-    """A GGUF file of the checkpoint in hf_dir, as llama.cpp would write it."""
+def llama_cpp_rope_factors(rope: dict, head_dim: int, theta: float):
+    """llama.cpp's convert_hf_to_gguf for a llama3 rope_scaling: each rotary frequency's
+    divisor, float32 [head_dim / 2] (the rope_freqs tensor)."""
+    import numpy as np
+
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_gguf(hf_dir: str, path: str, arch: str, extra_tensors=(), extra_strings=()) -> str:
+    """A GGUF file of the checkpoint in hf_dir, as llama.cpp would write it (a llama3 rope
+    scaling as the rope_freqs tensor, a linear or yarn one in the metadata)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -68,13 +91,21 @@ def write_gguf(hf_dir: str, path: str, arch: str, extra_tensors=()) -> str:
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if hasattr(cfg, "rope_parameters") else cfg.rope_theta)
+    theta, rope = rope_info(cfg)
+    w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_rope_dimension_count(head_dim)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
+    if rope is not None and rope["rope_type"] == "llama3":
+        extra_tensors = [("rope_freqs.weight", llama_cpp_rope_factors(rope, head_dim, theta)), *extra_tensors]
+    elif rope is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
+        w.add_rope_scaling_factor(rope["factor"])
+        if "original_max_position_embeddings" in rope:
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     added = {t["content"] for t in tok["added_tokens"]}
     w.add_tokenizer_model("gpt2")
@@ -107,6 +138,8 @@ def write_gguf(hf_dir: str, path: str, arch: str, extra_tensors=()) -> str:
             w.add_tensor(name, gguf.quantize(data, qtype), raw_dtype=qtype)
     for name, data in extra_tensors:
         w.add_tensor(name, data)
+    for key, value in extra_strings:
+        w.add_string(key, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -114,40 +147,57 @@ def write_gguf(hf_dir: str, path: str, arch: str, extra_tensors=()) -> str:
     return path
 
 
+SOURCES: dict[str, str] = {}  # a GGUF file written here -> the checkpoint it was written from
+
+
 @pytest.fixture(scope="module")
 def gguf_file(checkpoint, tmp_path_factory):
-    import numpy as np
-
     built = {}
 
-    def make(shape: str) -> str:
-        if shape not in built:
-            arch, overrides = SHAPES[shape]
-            extra = [("rope_freqs.weight", np.ones(4, dtype=np.float32))] if arch == "llama" else []
+    def make(shape: str, **overrides) -> str:
+        key = (shape, repr(sorted(overrides.items())))
+        if key not in built:
             out = tmp_path_factory.mktemp(f"gguf-{shape}") / f"{shape}.Q8_0.gguf"
-            built[shape] = write_gguf(checkpoint(shape, **overrides), str(out), arch, extra)
-        return built[shape]
+            hf_dir = checkpoint(shape, **overrides)
+            built[key] = write_gguf(hf_dir, str(out), SHAPES[shape])
+            SOURCES[built[key]] = hf_dir
+        return built[key]
 
     return make
 
 
-def hf_from_gguf(path: str):
+def hf_from_gguf(path: str, config_from: str | None = None):
+    """transformers on the file's weights; with the config of the checkpoint `config_from`
+    (transformers' GGUF config has no rope scaling and no Qwen3 head_dim), else its own."""
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF: pip install accelerate")
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = {"config": AutoConfig.from_pretrained(config_from)} if config_from else {}
     return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                dtype=torch.float32).eval()
+                                                dtype=torch.float32, **config).eval()
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_tensors_and_greedy_equal_transformers(shape, gguf_file):
+ROPES = [(shape, {}) for shape in SHAPES] + [  # + scalings the metadata carries
+    ("qwen2-tiny", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    ("qwen3-tiny", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256})),
+]
+
+
+@pytest.mark.parametrize("shape, overrides", ROPES, ids=[s + ("-" + o["rope_scaling"]["rope_type"] if o else "")
+                                                          for s, o in ROPES])
+def test_tensors_and_greedy_equal_transformers(shape, overrides, gguf_file):
     """nanokv dequantizes exactly the tensors transformers does (q/k un-permuted, names
-    mapped, the unused rope_freqs skipped) and then generates the same tokens."""
-    path = gguf_file(shape)
-    hf = hf_from_gguf(path)
+    mapped, rope_freqs not a weight), reads the checkpoint's head_dim and rope scaling
+    back from the file, and then generates the tokens transformers does with the
+    checkpoint's own config on the file's weights."""
+    path = gguf_file(shape, **overrides)
+    hf = hf_from_gguf(path, config_from=SOURCES[path])
     state = hf.state_dict()
     config = nk_gguf.load_config(path)
-    assert config.architectures == [nk_gguf.ARCHITECTURES[SHAPES[shape][0]]]
+    assert config.architectures == [nk_gguf.ARCHITECTURES[SHAPES[shape]]]
+    source = hf.config
+    assert config.head_dim == (getattr(source, "head_dim", None) or source.hidden_size // source.num_attention_heads)
+    assert rope_info(config) == rope_info(source)
     names = [n for n in state if not (config.tie_word_embeddings and n == "lm_head.weight")]
     with nk_gguf.GGUFCheckpoint(path, config, names) as f:
         assert sorted(f.keys()) == sorted(names)
@@ -163,6 +213,60 @@ def test_tensors_and_greedy_equal_transformers(shape, gguf_file):
     assert llm.llm_engine.config.eos_token_ids == (0,)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+LLAMA3_ROPES = [  # (rope_theta, head_dim, rope_scaling): Llama 3.1 8B, Llama 3.2 1B, others
+    (500000.0, 128, dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    (500000.0, 64, dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    (500000.0, 8, dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=256)),
+    (500000.0, 64, dict(factor=16.0, low_freq_factor=1.0, high_freq_factor=2.0, original_max_position_embeddings=4096)),
+    (500000.0, 128, dict(factor=8.0, low_freq_factor=2.0, high_freq_factor=8.0, original_max_position_embeddings=8192)),
+    (10000.0, 32, dict(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=512)),
+    (500000.0, 16, dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=300)),
+]
+
+
+@pytest.mark.parametrize("theta, head_dim, rope", LLAMA3_ROPES)
+def test_rope_freqs_give_a_llama3_scaling_with_the_same_frequencies(theta, head_dim, rope):
+    """llama.cpp's factors read back as a llama3 rope_scaling whose frequencies (by
+    transformers' formula) are the file's: Meta's parameters exactly, others as an
+    equivalent set (the table fixes only two of the three)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "llama3", **rope}
+    factors = llama_cpp_rope_factors(rope, head_dim, theta)
+    got = nk_gguf.rope_scaling_from_factors("f.gguf", factors, theta, head_dim)
+    if (rope["low_freq_factor"], rope["high_freq_factor"]) == (1.0, 4.0):
+        assert got == rope
+    config = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
+                         max_position_embeddings=131072, rope_parameters={**got, "rope_theta": theta})
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    base = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    want = base / torch.from_numpy(factors).double()
+    assert torch.allclose(inv_freq.double(), want, rtol=1e-5, atol=0)
+
+
+def test_rope_freqs_that_are_no_llama3_scaling_are_refused():
+    import numpy as np
+
+    assert nk_gguf.rope_scaling_from_factors("f.gguf", np.ones(4, np.float32), 500000.0, 8) is None  # no scaling
+    assert nk_gguf.rope_scaling_from_factors("f.gguf", np.full(4, 2.0, np.float32), 500000.0, 8) == \
+        {"rope_type": "linear", "factor": 2.0}  # every frequency halved
+    with pytest.raises(ValueError, match="a factor below 1"):
+        nk_gguf.rope_scaling_from_factors("f.gguf", np.array([1.0, 0.5, 8.0, 8.0], np.float32), 500000.0, 8)
+    with pytest.raises(ValueError, match=r"f\.gguf: rope_freqs\.weight has 3 values; head_dim 8 has 4"):
+        nk_gguf.rope_scaling_from_factors("f.gguf", np.ones(3, np.float32), 500000.0, 8)
+    with pytest.raises(ValueError, match="not Llama 3.1's rope scaling"):
+        nk_gguf.rope_scaling_from_factors("f.gguf", np.array([8.0, 1.0, 8.0, 2.0], np.float32), 500000.0, 8)
+
+
+def test_an_unknown_rope_scaling_in_the_metadata_is_refused(checkpoint, tmp_path):
+    path = write_gguf(checkpoint("qwen2-tiny"), str(tmp_path / "longrope.gguf"), "qwen2",
+                      extra_strings=[("qwen2.rope.scaling.type", "longrope")])
+    with pytest.raises(ValueError, match=r"longrope.gguf: rope scaling 'longrope' .* not supported; nanokv reads "
+                                         "linear and yarn"):
+        LLM(path)
 
 
 def test_directory_with_one_gguf_loads(gguf_file, tmp_path):
