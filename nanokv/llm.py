@@ -37,8 +37,10 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def close(self) -> None:
-        """Stop tensor-parallel worker processes now (they also stop when the LLM is
-        garbage collected or the program exits). Later calls raise RuntimeError."""
+        """Stop tensor-parallel worker processes and free the KV pool now (both also
+        happen when the LLM is garbage collected or the program exits; the engine holds
+        reference cycles, so that can be later than `del llm`). Later calls raise
+        RuntimeError."""
         self.llm_engine.close()
 
     def kv_stats(self) -> KVStats:

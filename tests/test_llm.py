@@ -155,6 +155,27 @@ def test_abort(llm):
     assert_usable(llm)
 
 
+def test_close_frees_the_kv_pool_at_once(model_dir):
+    """The engine holds reference cycles, so `del llm` leaves its pool to the garbage
+    collector; close() frees it now (the default CPU pool is 4 GiB) and refuses later work."""
+    import gc
+    import weakref
+
+    gc.disable()  # nothing but close() may free it here
+    try:
+        llm = LLM(model_dir, max_model_len=256, kv_cache_memory_bytes=8 << 20)
+        out = llm.generate(["Hello"], GREEDY, use_tqdm=False)
+        pool = weakref.ref(llm.llm_engine.runner.kv_cache)
+        llm.close()
+        assert pool() is None
+        with pytest.raises(RuntimeError, match="this LLM is closed"):
+            llm.generate(["Hello"], GREEDY, use_tqdm=False)
+        assert LLM(model_dir, max_model_len=256, kv_cache_memory_bytes=8 << 20).generate(
+            ["Hello"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == out[0].outputs[0].token_ids
+    finally:
+        gc.enable()
+
+
 def test_pool_too_small_for_max_model_len(model_dir):
     with pytest.raises(ValueError, match="num_kvcache_blocks"):
         LLM(model_dir, max_model_len=512, num_kvcache_blocks=10)

@@ -80,6 +80,7 @@ def test_a_second_tp_llm_is_refused_and_the_first_keeps_working(checkpoint):
         assert generate(first) == expected
     finally:
         first.close()
+    assert first.llm_engine.runner.kv_cache is None  # rank 0's pool freed
     with pytest.raises(RuntimeError, match="this LLM is closed"):
         generate(first)
     with pytest.raises(RuntimeError, match="this LLM is closed"):

@@ -92,6 +92,9 @@ class TensorParallelExecutor(Executor):
     def close(self) -> None:
         self.closed = True
         self._finalizer()
+        runner = getattr(self, "runner", None)  # None when closing a failed start
+        if runner is not None:
+            runner.release_kv_cache()  # rank 0's, in this process
 
 
 def _describe_exit(rank: int, code: int | None) -> str:

@@ -16,3 +16,7 @@ class UniProcExecutor(Executor):
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         self.check_open()
         return self.runner.execute(batch)
+
+    def close(self) -> None:
+        super().close()
+        self.runner.release_kv_cache()

@@ -101,6 +101,14 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.backend, self.block_size, cfg.max_num_seqs,
                                        cfg.max_model_len, num_blocks, cfg.device)
 
+    def release_kv_cache(self) -> None:
+        """Free the pool (and the CUDA graphs that read it) now, not when the garbage
+        collector reaches the engine: LLM.close() calls it. The runner cannot step after."""
+        self.graphs = None
+        self.kv_cache = self.kv_scales = None
+        for layer in self.attn_layers:
+            layer.k_cache = layer.v_cache = layer.k_scales = layer.v_scales = None
+
     def _set_kv_cache(self, cache: torch.Tensor, scales: torch.Tensor | None) -> None:
         self.kv_cache, self.kv_scales = cache, scales
         for i, layer in enumerate(self.attn_layers):

@@ -8,6 +8,7 @@ Its config and tokenizer are cached in a folder of the module's own, not the use
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 
@@ -58,6 +59,14 @@ def gguf_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(nk_gguf, "cache_dir", lambda: folder)
         yield folder
+
+
+@pytest.fixture(autouse=True)
+def collect_engines():
+    """Each test's LLM has the default 4 GiB pool; the engine's reference cycles would keep
+    every one of them (15 GB by the third test) until the collector happened to run."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="module")
