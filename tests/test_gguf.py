@@ -215,26 +215,27 @@ def test_tensors_and_greedy_equal_transformers(shape, overrides, gguf_file):
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-LLAMA3_ROPES = [  # (rope_theta, head_dim, rope_scaling): Llama 3.1 8B, Llama 3.2 1B, others
-    (500000.0, 128, dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)),
-    (500000.0, 64, dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)),
-    (500000.0, 8, dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=256)),
-    (500000.0, 64, dict(factor=16.0, low_freq_factor=1.0, high_freq_factor=2.0, original_max_position_embeddings=4096)),
-    (500000.0, 128, dict(factor=8.0, low_freq_factor=2.0, high_freq_factor=8.0, original_max_position_embeddings=8192)),
-    (10000.0, 32, dict(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=512)),
-    (500000.0, 16, dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=300)),
+LLAMA3_ROPES = [  # rope_theta, head_dim; factor, low / high_freq_factor, original context: Llama 3.1 8B, 3.2 1B, others
+    (500000.0, 128, 8.0, 1.0, 4.0, 8192),
+    (500000.0, 64, 32.0, 1.0, 4.0, 8192),
+    (500000.0, 8, 8.0, 1.0, 4.0, 256),
+    (500000.0, 64, 16.0, 1.0, 2.0, 4096),
+    (500000.0, 128, 8.0, 2.0, 8.0, 8192),
+    (10000.0, 32, 4.0, 1.0, 4.0, 512),
+    (500000.0, 16, 8.0, 1.0, 4.0, 300),
 ]
 
 
-@pytest.mark.parametrize("theta, head_dim, rope", LLAMA3_ROPES)
-def test_rope_freqs_give_a_llama3_scaling_with_the_same_frequencies(theta, head_dim, rope):
+@pytest.mark.parametrize("theta, head_dim, factor, low, high, original", LLAMA3_ROPES)
+def test_rope_freqs_give_a_llama3_scaling_with_the_same_frequencies(theta, head_dim, factor, low, high, original):
     """llama.cpp's factors read back as a llama3 rope_scaling whose frequencies (by
     transformers' formula) are the file's: Meta's parameters exactly, others as an
     equivalent set (the table fixes only two of the three)."""
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope = {"rope_type": "llama3", **rope}
+    rope = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+            "original_max_position_embeddings": original}
     factors = llama_cpp_rope_factors(rope, head_dim, theta)
     got = nk_gguf.rope_scaling_from_factors("f.gguf", factors, theta, head_dim)
     if (rope["low_freq_factor"], rope["high_freq_factor"]) == (1.0, 4.0):
