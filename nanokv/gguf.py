@@ -230,12 +230,12 @@ def rope_scaling_from_factors(path: str, factors, rope_theta: float, head_dim: i
                          f"{head_dim // 2} rotary frequencies")
     if np.allclose(factors, 1.0, rtol=0, atol=1e-6):
         return None
-    factor = float(factors.max())
-    if np.allclose(factors, factor, rtol=1e-6, atol=0):  # every frequency divided alike: linear scaling
-        return {"rope_type": "linear", "factor": factor}
     if not factors.min() >= 1.0 - 1e-6:  # also NaN
         raise ValueError(f"{path}: {ROPE_FREQS} has a factor below 1 ({factors.min()}); llama3's rope scaling "
                          "only divides frequencies, nanokv cannot run this file's rope")
+    factor = float(factors.max())
+    if np.allclose(factors, factor, rtol=1e-6, atol=0):  # every frequency divided alike: linear scaling
+        return {"rope_type": "linear", "factor": factor}
     inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
 
     def table(low: float, high: float, original: float):
