@@ -2,7 +2,9 @@
 
 The shared library is built with the machine's C compiler (`cc -O3 -march=native
 -fopenmp`) into a cache directory keyed by the source, the flags, the compiler and the
-CPU, the way Triton caches its kernels.
+CPU, the way Triton caches its kernels. An entry is trusted only when its bytes match the
+manifest written beside it at build time (size and sha256); anything else is built again
+(see build()), and ffi loads the checked bytes themselves.
 
 Variants (each built and cached on its own): the vector width, 16 floats where the compiler
 targets AVX-512 and 8 otherwise unless NANOKV_CPU_WIDTH (or `width`) forces 8 or 16, so
@@ -13,13 +15,19 @@ paths' unsigned-offset arithmetic (tests compare them all).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import fcntl
 import hashlib
+import json
 import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger("nanokv")
@@ -100,22 +108,158 @@ def _key(cc: str, flags: list[str]) -> str:
     return key.hexdigest()[:16]
 
 
-def build(width: int | None = None, portable: bool | str = False) -> Path:
-    """The shared library's path (of one variant: see flags), compiled first unless the
-    cache holds it."""
+@dataclass(frozen=True)
+class Built:
+    """One variant's library: where its cache entry lies and its bytes, read once and
+    checked against the entry's manifest (ffi loads these bytes, not the file again)."""
+
+    path: Path
+    data: bytes
+
+
+BUILD_TIMEOUT_S = 600  # the most a compile may take, and a builder waits for another's
+
+
+def build(width: int | None = None, portable: bool | str = False) -> Built:
+    """The shared library of one variant (see flags), compiled first unless the cache holds
+    an entry whose bytes match its manifest.
+
+    An entry is `nanokv_cpu_<key>.so` and its manifest `nanokv_cpu_<key>.json` (size and
+    sha256); the manifest is the commit point: it is written (fsync, rename, fsync of the
+    folder) only after the library is durable under its own name, and an entry is trusted
+    only when the library's bytes match it. So a crash between the steps, a truncated or
+    changed library, a missing or damaged manifest each read as no entry and are built
+    again, replacing the entry by rename. Builders of one key take turns on a lock file
+    (torchrun ranks: one compiles, the others load what it committed). A cache that cannot
+    be written to builds into a private temporary folder, removed at exit."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     variant = flags(width, portable)
-    target = cache_dir() / f"nanokv_cpu_{_key(cc, variant)}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        proc = subprocess.run([cc, *variant, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
+    name = f"nanokv_cpu_{_key(cc, variant)}"
+    folder = cache_dir()
+    found = _verified(folder, name)
+    if found is not None:
+        return found
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = open(folder / f"{name}.lock", "a")
+    except OSError as e:
+        folder = _private_folder(e)
+        return _verified(folder, name, quiet=True) or _build(cc, variant, folder, name)
+    with lock:
+        _lock(lock)
+        return _verified(folder, name, quiet=True) or _build(cc, variant, folder, name)
+
+
+def _verified(folder: Path, name: str, quiet: bool = False) -> Built | None:
+    """The entry's library if its bytes match its manifest; None (and a log line, unless
+    quiet or there is no entry at all) otherwise."""
+    library, manifest = folder / f"{name}.so", folder / f"{name}.json"
+    try:
+        with open(library, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        problem = f"unreadable ({e})"
+    else:
+        try:
+            expected = json.loads(manifest.read_text())
+            problem = None if expected == _manifest(data) else "does not match its manifest"
+        except FileNotFoundError:
+            problem = "has no manifest"
+        except (OSError, ValueError) as e:
+            problem = f"has an unreadable manifest ({e})"
+        if problem is None:
+            return Built(library, data)
+    if not quiet:
+        logger.warning("nanokv CPU kernels: cached %s %s; building it again", library, problem)
+    return None
+
+
+def _manifest(data: bytes) -> dict:
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _build(cc: str, variant: list[str], folder: Path, name: str) -> Built:
+    """Compile into a temporary folder beside the entry, then commit it (a commit that
+    fails, say on a file where the manifest goes, commits to the private folder instead)."""
+    with tempfile.TemporaryDirectory(dir=folder, prefix=f".{name}-") as tmp:
+        out = Path(tmp) / f"{name}.so"
+        proc = subprocess.run([cc, *variant, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed to build {SOURCE.name}:\n{proc.stderr[-2000:]}")
-        os.replace(out, target)  # atomic: concurrent builders (torchrun ranks) agree
-    logger.info("built nanokv CPU kernels: %s", target)
-    return target
+        data = out.read_bytes()
+    try:
+        built = _commit(folder, name, data)
+    except OSError as e:
+        if folder == _private:
+            raise
+        built = _commit(_private_folder(e), name, data)
+    logger.info("built nanokv CPU kernels: %s", built.path)
+    return built
+
+
+def _commit(folder: Path, name: str, data: bytes) -> Built:
+    """The library, then its manifest (the commit point), each written whole and durable
+    before it takes its name."""
+    library = folder / f"{name}.so"
+    _write_durably(library, data, 0o755)
+    _write_durably(folder / f"{name}.json", json.dumps(_manifest(data)).encode(), 0o644)
+    return Built(library, data)
+
+
+def _write_durably(path: Path, data: bytes, mode: int) -> None:
+    """Write a file whole under a temporary name beside it, fsync it, rename it over `path`
+    (atomic: a reader sees the old file or the new one) and fsync the folder so the rename
+    survives a crash."""
+    fd, staged = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    try:
+        with open(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(staged, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(staged)
+        raise
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def _lock(f) -> None:
+    """Wait (at most BUILD_TIMEOUT_S) for the other builders of this entry; past that, go
+    on: entries are checked by content, so an unlocked build only costs time."""
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
+    while True:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                logger.warning("nanokv CPU kernels: %s still held after %d s; building anyway", f.name,
+                               BUILD_TIMEOUT_S)
+                return
+            time.sleep(0.1)
+
+
+_private: Path | None = None
+
+
+def _private_folder(error: OSError) -> Path:
+    """This process's own kernel folder (a temporary one, removed at exit), for a cache
+    root that cannot be written to; said once."""
+    global _private
+    if _private is None:
+        _private = Path(tempfile.mkdtemp(prefix="nanokv-kernels-"))
+        atexit.register(shutil.rmtree, _private, ignore_errors=True)
+        logger.warning("nanokv CPU kernels: cannot write to the cache %s (%s); building into %s, removed at exit"
+                       " (NANOKV_CACHE_DIR sets a writable cache)", cache_dir(), error, _private)
+    return _private

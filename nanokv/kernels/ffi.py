@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from functools import lru_cache
 
@@ -60,7 +61,7 @@ def load(width: int | None = None, portable: bool | str = False):
     """One variant of the library (build.flags), built and loaded once; None when it does
     not build or load (warned)."""
     try:
-        lib = ctypes.CDLL(str(build.build(width, portable)))
+        lib = _open(build.build(width, portable))
     except Exception as e:  # no compiler, a compile error, an unloadable library
         logger.warning("nanokv CPU kernels unavailable, using the torch path: %s", e)
         return None
@@ -100,6 +101,35 @@ def load(width: int | None = None, portable: bool | str = False):
     lib.nk_argmax_rows.restype = None
     lib.nk_logprobs.argtypes = [p, i, p, i, p, i, i, p, p, p, p]
     lib.nk_logprobs.restype = None
+    return lib
+
+
+_memory_files: list[int] = []  # descriptors of loaded libraries' memory files: open for good
+
+
+def _open(built: build.Built) -> ctypes.CDLL:
+    """dlopen the bytes build checked, not the file again: they are copied into an
+    anonymous memory file (memfd) and loaded from it, so nothing done to the cache file
+    after the check (a truncation: SIGBUS; changed bytes) reaches the process, at load or
+    later. Its descriptor stays open: the dynamic loader knows a library by its path
+    (/proc/self/fd/N), and a reused N would give back the old library. Without memfd (not
+    Linux, or executable memfds forbidden) the checked file is loaded by path: nanokv
+    replaces cache files only by rename, so only another writer could change it between
+    the check and the load."""
+    try:
+        fd = os.memfd_create(built.path.name, os.MFD_CLOEXEC)
+    except (AttributeError, OSError):
+        return ctypes.CDLL(str(built.path))
+    try:
+        view = memoryview(built.data)
+        while view:
+            view = view[os.write(fd, view):]
+        lib = ctypes.CDLL(f"/proc/self/fd/{fd}")
+    except OSError as e:
+        os.close(fd)
+        logger.info("nanokv CPU kernels: loading %s by path (from a memory file: %s)", built.path, e)
+        return ctypes.CDLL(str(built.path))
+    _memory_files.append(fd)
     return lib
 
 
