@@ -460,3 +460,100 @@ def test_seed_keys_are_seed_for_token_for_every_seed():
     assert seed_keys(rows, picked) == [(i, seed_for_token(r.seed, r.num_generated)) for i, r in enumerate(rows)
                                        if r.seed is not None]
     assert all(0 <= k < 2**63 for _, k in seed_keys(rows, picked))
+
+
+# ---- what one request may send: bounded lists and penalties, numpy scalars -----------------
+
+def test_sampling_params_take_numpy_scalars_as_python_numbers(llm):
+    """numpy integers where ints go, numpy floats where numbers go (as numpy prompt ids
+    are taken): stored as Python int / float, the same tokens as Python values; a numpy
+    bool or an integral float is still no int."""
+    np = pytest.importorskip("numpy")
+    plain = dict(n=2, temperature=0.75, top_p=0.5, top_k=40, min_p=0.125, seed=7, max_tokens=6, min_tokens=2,
+                 logprobs=2, repetition_penalty=1.25, presence_penalty=0.5, frequency_penalty=-0.25,
+                 stop_token_ids=[5, 9])
+    numpy = {k: np.float32(v) if isinstance(v, float) else np.int64(v) for k, v in plain.items()
+             if k != "stop_token_ids"}
+    numpy["stop_token_ids"] = [np.int32(5), np.uint64(9)]
+    params = SamplingParams(**numpy)
+    assert params == SamplingParams(**plain)
+    for name, value in plain.items():
+        got = getattr(params, name)
+        assert type(got) is type(value) and (name == "stop_token_ids" or type(got) in (int, float)), name
+    assert type(params.stop_token_ids[1]) is int
+    assert SamplingParams(stop_token_ids=np.array([5, 9])).stop_token_ids == [5, 9]
+    assert SamplingParams(seed=np.uint64(2**64 - 1)).seed == 2**64 - 1
+    prompt = random_prompts([9], 1024, seed=80)[0]
+    outs = [[c.token_ids for c in llm.generate(prompt, p, use_tqdm=False)[0].outputs]
+            for p in (params, SamplingParams(**plain))]
+    assert outs[0] == outs[1]
+    for bad in (dict(n=np.bool_(True)), dict(max_tokens=np.float64(4.0)), dict(seed=np.float32(1)),
+                dict(stop_token_ids=[np.bool_(False)]), dict(temperature=np.bool_(True)),
+                dict(top_p=np.float64("nan")), dict(temperature=10**400)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("name, make, limit", [
+    ("stop", lambda k: [f"s{i}" for i in range(k)], "MAX_STOP_STRINGS"),
+    ("stop", lambda k: "x" * k, "MAX_STOP_STRING_CHARS"),
+    ("stop", lambda k: ["ok", "y" * k], "MAX_STOP_STRING_CHARS"),
+    ("stop_token_ids", lambda k: [5] * k, "MAX_STOP_TOKEN_IDS"),
+])
+def test_request_lists_are_bounded(name, make, limit):
+    """Every list a request sends has a documented bound; one past it is a ValueError naming
+    the field and the bound (the server's 400), the bound itself is fine."""
+    from nanokv import sampling_params
+
+    bound = getattr(sampling_params, limit)
+    SamplingParams(**{name: make(bound)})
+    with pytest.raises(ValueError, match=rf"^{name} has .*at most {bound} are allowed"):
+        SamplingParams(**{name: make(bound + 1)})
+    with pytest.raises(ValueError, match=f"at most {bound}"):
+        SamplingParams(**{name: make(1_000_000)})
+
+
+def test_penalties_are_bounded_and_their_extremes_keep_logits_finite(llm):
+    """repetition_penalty 1e-40 (a float32 subnormal) turned the penalised logits into inf
+    (greedy repeated one token, sampling drew from NaN): refused. At the bounds allowed, the
+    penalised logits of large and small, positive and negative logits stay finite, and
+    greedy and logprobs equal a float64 reference."""
+    from nanokv.engine.types import ScheduledSeq
+    from nanokv.sampling_params import MAX_ADDITIVE_PENALTY, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
+
+    for bad in (1e-40, 0.0, MIN_REPETITION_PENALTY / 2, MAX_REPETITION_PENALTY * 2, 1e40, -1.0):
+        with pytest.raises(ValueError, match=r"repetition_penalty must be in \[0.01, 100"):
+            SamplingParams(repetition_penalty=bad)
+    for name in ("presence_penalty", "frequency_penalty"):
+        for bad in (-MAX_ADDITIVE_PENALTY - 0.01, MAX_ADDITIVE_PENALTY + 0.01):
+            with pytest.raises(ValueError, match=rf"{name} must be in \[-2, 2\]"):
+                SamplingParams(**{name: bad})
+
+    runner, vocab = llm.llm_engine.runner, 1024
+    g = torch.Generator().manual_seed(21)
+    cases = [(MIN_REPETITION_PENALTY, MAX_ADDITIVE_PENALTY, MAX_ADDITIVE_PENALTY),
+             (MAX_REPETITION_PENALTY, -MAX_ADDITIVE_PENALTY, -MAX_ADDITIVE_PENALTY),
+             (MIN_REPETITION_PENALTY, -MAX_ADDITIVE_PENALTY, MAX_ADDITIVE_PENALTY),
+             (MAX_REPETITION_PENALTY, MAX_ADDITIVE_PENALTY, -MAX_ADDITIVE_PENALTY)] * 2
+    logits = torch.randn(len(cases), vocab, generator=g) * 20
+    extremes = torch.tensor([3e4, -3e4, 1e-30, -1e-30, 0.0, 3e35, -3e35, float("-inf")])
+    logits[4:, :8] = extremes  # all in the prompt; the first four rows: greedy among ordinary logits
+    rows, refs = [], []
+    for i, (rep, pres, freq) in enumerate(cases):
+        prompt = list(range(8)) + torch.randint(0, vocab, (20,), generator=g).tolist()
+        output = torch.randint(0, 60, (300,), generator=g).tolist()
+        params = SamplingParams(temperature=0, repetition_penalty=rep, presence_penalty=pres,
+                                frequency_penalty=freq, logprobs=20)
+        rows.append(ScheduledSeq(i, [output[-1]], len(prompt) + 299, [], True, params, num_generated=300,
+                                 all_token_ids=prompt + output, num_prompt_tokens=len(prompt)))
+        refs.append(reference_penalties(logits[i].double(), prompt, output, rep, pres, freq))
+    penalised = logits.clone()
+    out = runner.sampler(penalised, runner._sampling_tensors(rows, vocab))
+    expected = torch.stack(refs)
+    finite = torch.ones_like(penalised, dtype=torch.bool)
+    finite[4:, 7] = False  # the -inf stays -inf
+    assert torch.isfinite(penalised[finite]).all() and (penalised[4:, 7] == float("-inf")).all()
+    torch.testing.assert_close(penalised.double(), expected, rtol=1e-5, atol=1e-4)
+    assert out.tokens.tolist() == expected.argmax(-1).tolist()
+    assert len(set(out.tokens[:4].tolist()) - set(range(8))) > 0  # ordinary rows: not just the extremes
+    assert torch.isfinite(out.top_logprobs).all() and torch.isfinite(out.logprobs).all()
