@@ -557,3 +557,41 @@ def test_penalties_are_bounded_and_their_extremes_keep_logits_finite(llm):
     assert out.tokens.tolist() == expected.argmax(-1).tolist()
     assert len(set(out.tokens[:4].tolist()) - set(range(8))) > 0  # ordinary rows: not just the extremes
     assert torch.isfinite(out.top_logprobs).all() and torch.isfinite(out.logprobs).all()
+
+
+def test_min_tokens_ban_list_is_built_once_per_request(llm, monkeypatch):
+    """A request's min_tokens ban list (its stop_token_ids and EOS) is built once, not per
+    row per step (n=32 and a million ids made a GB a step): its n rows share one [K] id
+    tensor across steps and across batches that change around it, a step holds one row
+    index per banned row, and once min_tokens is reached nothing is banned."""
+    from nanokv.engine.types import ScheduledSeq
+    from nanokv.sampling_params import MAX_STOP_TOKEN_IDS
+
+    runner, vocab = llm.llm_engine.runner, 1024
+    built = []
+    ban_tensor = runner._ban_tensor
+    monkeypatch.setattr(runner, "_ban_tensor", lambda p: built.append(p) or ban_tensor(p))
+    stop_ids = [(2 * i) % vocab for i in range(MAX_STOP_TOKEN_IDS)]  # the even ids, each twice
+    wide = SamplingParams(n=32, temperature=0.8, min_tokens=3, stop_token_ids=stop_ids)
+    plain = SamplingParams(temperature=0, min_tokens=3)  # EOS only
+    others = [SamplingParams(temperature=0.5) for _ in range(3)]
+    expected_ids = torch.tensor(list(dict.fromkeys(stop_ids + runner.eos_token_ids)))
+    shared = None
+    for step in range(5):
+        batch_params = [wide] * 32 + [plain] + others[:1 + step % 3]  # other requests come and go
+        rows = [ScheduledSeq(i, [1], 0, [], True, p, num_generated=step) for i, p in enumerate(batch_params)]
+        runner._fixed_settings = None if step == 2 else runner._fixed_settings  # and settings afresh
+        t = runner._sampling_tensors(rows, vocab)
+        if step >= 3:
+            assert t.banned is None
+            continue
+        (wide_rows, wide_ids), (plain_rows, plain_ids) = t.banned
+        assert wide_rows.tolist() == list(range(32)) and plain_rows.tolist() == [32]
+        assert torch.equal(wide_ids, expected_ids) and plain_ids is runner._eos_ids
+        shared = wide_ids if shared is None else shared
+        assert wide_ids is shared
+        tokens = runner.sampler(torch.zeros(len(rows), vocab), t, torch.Generator().manual_seed(step)).tokens
+        assert not torch.isin(tokens[:32], expected_ids).any()
+    assert built == [wide, plain]  # once each; plain's ids are the runner's EOS tensor
+    runner._sampling_tensors([ScheduledSeq(0, [1], 0, [], True, others[0])], vocab)
+    assert runner._ban_ids == {}  # requests no longer in the batch are let go

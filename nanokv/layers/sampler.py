@@ -70,7 +70,8 @@ class SamplingTensors:
     penalty_rows: torch.Tensor | None = None  # [P] int64
     penalty_ids: torch.Tensor | None = None  # [P] int64
     penalty_counts: torch.Tensor | None = None  # [P] float32: times generated (0: prompt only)
-    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) masked (min_tokens)
+    # min_tokens: ([R] rows, [K] token ids) pairs, every id masked in each of the rows
+    banned: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     seeded: list[tuple[int, int]] | None = None  # (row, seed for this token) for seeded rows
     max_logprobs: int | None = None  # largest top-N asked for, None when no row asks
     logprob_rows: torch.Tensor | None = None  # [A] int64 rows that ask (None: all rows)
@@ -191,7 +192,8 @@ class Sampler:
         if self._kernels(logits):
             logits = logits.contiguous()
         if t.banned is not None:
-            logits[t.banned] = float("-inf")
+            for rows, ids in t.banned:
+                logits[rows[:, None], ids] = float("-inf")
         if t.penalty_ids is not None:
             apply_penalties(logits, t)
         if t.all_greedy:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from copy import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter, is_
 
 import torch
@@ -83,6 +83,10 @@ class ModelRunner:
         self.token_counts: dict[int, TokenCounts] = {}  # seq_id -> penalty state, while it runs
         self._fixed_settings: _FixedSettings | None = None  # the last step's, reused while its params stay
         self.eos_token_ids = list(config.eos_token_ids)
+        self._eos_ids = list_tensor(self.eos_token_ids, device=self.device)  # min_tokens' bans, most requests'
+        # id(params) -> (params, the token ids min_tokens bans): built once per request while it
+        # stays in the batch (a million ids rebuilt per row per step cost a GB a step)
+        self._ban_ids: dict[int, tuple[SamplingParams, torch.Tensor]] = {}
         self.num_steps = 0
         self.forward_seconds = 0.0  # model forward + LM head, measured only after reset_timers()
         self._timing = False
@@ -220,22 +224,47 @@ class ModelRunner:
             if (fixed is None or fixed.vocab != vocab or len(fixed.params) != len(params)
                     or not all(map(is_, params, fixed.params))):
                 fixed = self._fixed_settings = _FixedSettings.build(params, vocab, self.device)
+                fixed.bans = self._bans(params)
         fixed.index = index
         t = copy(fixed.tensors)
         if fixed.seeded_rows:
             t.seeded = seed_keys(rows, fixed.seeded_rows) or None
         if fixed.penalties:
             self._penalty_tensors(t, rows)
-        if fixed.min_tokens:
-            banned_rows, banned_ids = [], []
-            for i, s in enumerate(rows):
+        if fixed.bans:
+            groups: dict[int, tuple[list[int], torch.Tensor]] = {}  # rows sharing one ban list
+            for i, ids in fixed.bans:
+                s = rows[i]
                 if s.num_generated < s.params.min_tokens:
-                    stop_ids = s.params.stop_token_ids + ([] if s.params.ignore_eos else self.eos_token_ids)
-                    banned_rows += [i] * len(stop_ids)
-                    banned_ids += stop_ids
-            if banned_rows:
-                t.banned = (list_tensor(banned_rows, device=self.device), list_tensor(banned_ids, device=self.device))
+                    groups.setdefault(id(ids), ([], ids))[0].append(i)
+            t.banned = [(list_tensor(r, device=self.device), ids) for r, ids in groups.values()] or None
         return t
+
+    def _bans(self, params: list[SamplingParams]) -> list[tuple[int, torch.Tensor]]:
+        """(row, token ids to ban below min_tokens) for the rows whose request has
+        min_tokens and something to ban; each request's ids built once while it stays in
+        the batch (the cache keeps only the batch's requests)."""
+        cache, bans = {}, []
+        if max(map(_MIN_TOKENS, params), default=0) == 0:  # one C-level pass when no row has min_tokens
+            self._ban_ids = cache
+            return bans
+        for i, p in enumerate(params):
+            if not p.min_tokens or (not p.stop_token_ids and (p.ignore_eos or not self.eos_token_ids)):
+                continue
+            entry = cache.get(id(p)) or self._ban_ids.get(id(p))  # the entry holds p: its id is not reused
+            if entry is None:
+                entry = (p, self._ban_tensor(p))
+            cache[id(p)] = entry
+            bans.append((i, entry[1]))
+        self._ban_ids = cache
+        return bans
+
+    def _ban_tensor(self, p: SamplingParams) -> torch.Tensor:
+        """[K] int64: the stop_token_ids and (unless ignore_eos) EOS ids that min_tokens bans."""
+        if not p.stop_token_ids:
+            return self._eos_ids
+        ids = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+        return list_tensor(list(dict.fromkeys(ids)), device=self.device)
 
     def _penalty_tensors(self, t: SamplingTensors, rows: list[ScheduledSeq]) -> None:
         """The penalised rows' distinct tokens, from counts kept per sequence across steps (a
@@ -292,7 +321,7 @@ class _FixedSettings:
     tensors: SamplingTensors  # seeded, banned and the penalised (row, token) counts unset
     seeded_rows: list[int]  # rows that draw with their request's seed
     penalties: bool
-    min_tokens: bool
+    bans: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (row, ids) ModelRunner._bans
     index: int = -1  # the batch (ScheduledBatch.index) they were last used for
 
     @staticmethod
@@ -325,7 +354,7 @@ class _FixedSettings:
         if asked:
             t.max_logprobs = max(params[i].logprobs for i in asked)
             t.logprob_rows = None if len(asked) == n else column(asked, torch.long)
-        return _FixedSettings(params, vocab, t, seeded_rows, penalties, max(map(_MIN_TOKENS, params), default=0) > 0)
+        return _FixedSettings(params, vocab, t, seeded_rows, penalties)
 
 
 def _keep_rows(rows: torch.Tensor | None, device: torch.device) -> torch.Tensor:
