@@ -10,6 +10,7 @@ deltas into SSE chunks.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from nanokv.detokenizer import IncrementalDetokenizer
@@ -29,6 +30,7 @@ class TextState:
     sent_chars: int = 0  # streaming: text already returned
     sent_tokens: int = 0  # streaming: token ids already returned
     sent_final: bool = False  # streaming: the finished sample was reported
+    stop_node: int = 0  # StopStrings state after the text so far
 
 
 @dataclass
@@ -43,6 +45,7 @@ class RequestState:
     sink: list | None = None  # where its outputs go (LLM.generate/stream); None: step() returns them
     seqs: list[Sequence] = field(default_factory=list)
     text: list[TextState | None] = field(default_factory=list)
+    stops: StopStrings | None = None  # params.stop's matcher, shared by the samples
     num_finished: int = 0
 
     @property
@@ -54,14 +57,26 @@ class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._watched: dict[int, tuple[RequestState, int]] = {}  # seq id -> (request, sample index)
+        self._last_stops: tuple[tuple[str, ...], StopStrings] | None = None  # for a batch of prompts
 
     def new_request(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,
                     stream: bool, seqs: list[Sequence]) -> RequestState:
-        req = RequestState(request_id, prompt, token_ids, params, stream, seqs=seqs)
+        req = RequestState(request_id, prompt, token_ids, params, stream, seqs=seqs,
+                           stops=self._stop_strings(params.stop) if params.stop else None)
         watched = stream or bool(params.stop)
         req.text = [TextState(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens))
                     if watched else None for _ in seqs]
         return req
+
+    def _stop_strings(self, stops: list[str]) -> StopStrings:
+        """The automaton of these stop strings: the last one built where they are the same
+        (the prompts of one generate() call or server request share their params)."""
+        key, last = tuple(stops), self._last_stops
+        if last is not None and last[0] == key:
+            return last[1]
+        matcher = StopStrings(list(key))
+        self._last_stops = (key, matcher)
+        return matcher
 
     def add(self, req: RequestState) -> None:
         for seq, state in zip(req.seqs, req.text):
@@ -87,10 +102,11 @@ class OutputProcessor:
             new_ids = seq.output_token_ids[state.num_fed:]
             state.num_fed += len(new_ids)
             delta = state.detok.add(new_ids)
-            if not delta or not req.params.stop or seq.num_output_tokens <= req.params.min_tokens:
+            if not delta or req.stops is None:
                 continue
-            hit = _find_stop(state.detok.text, len(delta), req.params.stop)
-            if hit is not None:
+            # the automaton reads every character (its state spans steps); hits count after min_tokens
+            state.stop_node, hit = req.stops.scan(state.stop_node, delta, len(state.detok.text) - len(delta))
+            if hit is not None and seq.num_output_tokens > req.params.min_tokens:
                 pos, stop = hit
                 state.text_end = pos + (len(stop) if req.params.include_stop_str_in_output else 0)
                 hits.append((seq, stop))
@@ -128,7 +144,7 @@ class OutputProcessor:
             if seq.is_finished:
                 text = self._text(req, i)
             else:  # hold back what could still turn out to be the start of a stop string
-                hold = max((len(s) for s in req.params.stop), default=1) - 1
+                hold = req.stops.max_len - 1 if req.stops is not None else 0
                 text = state.detok.text[:max(state.sent_chars, len(state.detok.text) - hold)]
             ids = seq.output_token_ids[state.sent_tokens:]
             if not ids and len(text) == state.sent_chars and (state.sent_final or not seq.is_finished):
@@ -153,11 +169,71 @@ class OutputProcessor:
         return result
 
 
-def _find_stop(text: str, num_new: int, stops: list[str]) -> tuple[int, str] | None:
-    """The earliest stop string that ends inside the newest num_new characters."""
-    best = None
-    for stop in stops:
-        pos = text.find(stop, max(0, len(text) - num_new - len(stop) + 1))
-        if pos != -1 and (best is None or pos < best[0]):
-            best = (pos, stop)
-    return best
+class StopStrings:
+    """A request's stop strings as an Aho-Corasick automaton, built once per request:
+    text is fed to it as it comes, each character once, so a step costs the new text
+    whatever the number of stop strings.
+
+    Its hits are those of str.find over the text just fed for every stop string: of the
+    stop strings that end inside that text, the one that starts earliest; at the same
+    start, the first listed.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.max_len = max(map(len, stops))
+        # the trie: node (a prefix of some stop string; 0 the empty one) -> char -> node, in one
+        # dict keyed by node << 21 | ord(char) (a dict per node took three times the memory)
+        self.next: dict[int, int] = {}
+        depth, first = [0], [-1]  # per node: its length; the first stop string spelling it (-1: none)
+        for i, stop in enumerate(stops):
+            node = 0
+            for ch in stop:
+                key = node << 21 | ord(ch)
+                node = self.next.get(key)
+                if node is None:
+                    node = self.next[key] = len(depth)
+                    depth.append(depth[key >> 21] + 1)
+                    first.append(-1)
+            if first[node] < 0:
+                first[node] = i
+        children: list[list[tuple[int, int]]] = [[] for _ in depth]  # node -> (ord(char), child)
+        for key, child in self.next.items():
+            children[key >> 21].append((key & _CHAR_MASK, child))
+        # fail: the node of the node's longest proper suffix that is a node; longest: the
+        # longest stop string that is a suffix of the node (itself or along its fail links)
+        fail, longest = [0] * len(depth), [-1] * len(depth)
+        queue = deque()
+        for _, child in children[0]:
+            longest[child] = child if first[child] >= 0 else -1
+            queue.append(child)
+        while queue:
+            node = queue.popleft()
+            for o, child in children[node]:
+                f = fail[node]
+                while f and (f << 21 | o) not in self.next:
+                    f = fail[f]
+                fail[child] = self.next.get(f << 21 | o, 0)
+                longest[child] = child if first[child] >= 0 else longest[fail[child]]
+                queue.append(child)
+        self.fail = fail
+        # per node: (length, index) of the longest stop string ending there, None: none
+        self.hit = [None if m < 0 else (depth[m], first[m]) for m in longest]
+
+    def scan(self, node: int, text: str, offset: int) -> tuple[int, tuple[int, str] | None]:
+        """Feed text (which starts at character offset of the whole) from state node:
+        the new state, and the hit (position in the whole text, stop string) or None."""
+        nxt, fail, hits = self.next, self.fail, self.hit
+        best = None  # (start, index)
+        for end, ch in enumerate(text, offset + 1):
+            o = ord(ch)
+            while node and (node << 21 | o) not in nxt:
+                node = fail[node]
+            node = nxt.get(node << 21 | o, 0)
+            hit = hits[node]
+            if hit is not None and (best is None or (end - hit[0], hit[1]) < best):
+                best = (end - hit[0], hit[1])
+        return node, None if best is None else (best[0], self.stops[best[1]])
+
+
+_CHAR_MASK = (1 << 21) - 1  # StopStrings' keys: a node's number above a character's code point

@@ -595,3 +595,89 @@ def test_min_tokens_ban_list_is_built_once_per_request(llm, monkeypatch):
     assert built == [wide, plain]  # once each; plain's ids are the runner's EOS tensor
     runner._sampling_tensors([ScheduledSeq(0, [1], 0, [], True, others[0])], vocab)
     assert runner._ban_ids == {}  # requests no longer in the batch are let go
+
+
+def reference_stop(text, num_new, stops):
+    """The stop string ending in the newest num_new characters that starts first (the
+    first listed at the same start), scanning every stop string."""
+    best = None
+    for stop in stops:
+        pos = text.find(stop, max(0, len(text) - num_new - len(stop) + 1))
+        if pos != -1 and (best is None or pos < best[0]):
+            best = (pos, stop)
+    return best
+
+
+def test_stop_strings_automaton_equals_scanning_every_stop_string():
+    """Fed text in random pieces, the automaton reports what scanning every stop string over
+    each new piece finds: overlapping, nested and repeated stop strings, hits that span
+    pieces, several hits in one piece."""
+    from nanokv.output_processor import StopStrings
+
+    rng = random.Random(12)
+    for trial in range(2000):
+        alphabet = "ab" if trial % 2 else "abcé"
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 8))]
+        matcher, node, text = StopStrings(stops), 0, ""
+        for _ in range(rng.randint(1, 10)):
+            piece = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5)))
+            text += piece
+            node, hit = matcher.scan(node, piece, len(text) - len(piece))
+            assert hit == reference_stop(text, len(piece), stops), (stops, text, piece)
+
+
+def test_stop_string_work_per_character_does_not_grow_with_their_number():
+    """The automaton's lookups per character fed are bounded (at most 3, amortised) however
+    many stop strings there are and however they overlap the text (counted, not timed)."""
+    from nanokv.output_processor import StopStrings
+    from nanokv.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+
+    class Counting(dict):
+        lookups = 0
+
+        def __contains__(self, key):
+            Counting.lookups += 1
+            return super().__contains__(key)
+
+        def get(self, key, default=None):
+            Counting.lookups += 1
+            return super().get(key, default)
+
+    text = ("a" * 300 + "b") * 20
+    for stops in (["ab"], ["a" * k + "c" for k in range(1, MAX_STOP_STRINGS + 1)],
+                  ["a" * (MAX_STOP_STRING_CHARS - 1) + chr(0x100 + i) for i in range(MAX_STOP_STRINGS)]):
+        matcher = StopStrings(stops)
+        matcher.next = Counting(matcher.next)
+        Counting.lookups, node = 0, 0
+        for start in range(0, len(text), 3):
+            node, _ = matcher.scan(node, text[start:start + 3], start)
+        assert Counting.lookups <= 3 * len(text), (len(stops), Counting.lookups)
+
+
+def test_many_stop_strings_stop_like_one_and_are_built_once_per_request(llm, monkeypatch):
+    """The most stop strings allowed, one of them in the text: the same text, stop reason
+    and stream as that one alone, for each of n samples; the automaton is built once for the
+    request, not per sample or step (and once for the prompts of one call)."""
+    from nanokv import output_processor
+    from nanokv.sampling_params import MAX_STOP_STRINGS
+
+    prompt = random_prompts([11], 1024, seed=81)[0]
+    base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop = base.text[len(base.text) // 2:len(base.text) // 2 + 3]
+    assert len(stop) == 3
+    one = SamplingParams(n=3, temperature=0, max_tokens=24, ignore_eos=True, stop=stop)
+    many = SamplingParams(n=3, temperature=0, max_tokens=24, ignore_eos=True,
+                          stop=[f"never-{i}" for i in range(MAX_STOP_STRINGS - 1)] + [stop])
+    built, real = [], output_processor.StopStrings
+    monkeypatch.setattr(output_processor, "StopStrings", lambda stops: built.append(stops) or real(stops))
+    want = llm.generate(prompt, one, use_tqdm=False)[0].outputs
+    got = llm.generate(prompt, many, use_tqdm=False)[0].outputs
+    assert [(c.text, c.stop_reason, c.finish_reason) for c in got] == \
+        [(c.text, c.stop_reason, c.finish_reason) for c in want]
+    assert want[0].stop_reason == stop and want[0].text == base.text[:base.text.index(stop)]
+    assert built == [[stop], many.stop]
+    assert "".join(llm.stream(prompt, SamplingParams(**{**many.__dict__, "n": 1}))) == want[0].text
+    outs = llm.generate([prompt] * 3, one, use_tqdm=False)
+    assert [o.outputs[0].text for o in outs] == [want[0].text] * 3
+    assert built == [[stop], many.stop, [stop]]  # the same stop strings: the last automaton again
