@@ -23,6 +23,12 @@ class LLM:
 
     >>> llm = LLM("path/to/Qwen3-0.6B")
     >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))[0].outputs[0].text
+
+    Thread-safe: generate(), chat(), stream(), kv_stats() and close() may be called from
+    several threads at once. Every engine call is made under the engine's lock, held for
+    one step at a time (never across a stream's yield); calls running together share the
+    engine's steps (their requests are batched together) and each gets exactly its own
+    outputs, through its own sink.
     """
 
     def __init__(self, model: str, **kwargs):
@@ -32,6 +38,7 @@ class LLM:
         an unknown name raises ValueError suggesting the closest one."""
         args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine(args.create_engine_config())
+        self._lock = self.llm_engine.lock
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -40,12 +47,13 @@ class LLM:
         """Stop tensor-parallel worker processes and free the KV pool now (both also
         happen when the LLM is garbage collected or the program exits; the engine holds
         reference cycles, so that can be later than `del llm`). Later calls raise
-        RuntimeError."""
-        self.llm_engine.close()
+        RuntimeError. Called while another thread generates, it waits for the step in
+        progress; that thread's call then raises RuntimeError."""
+        self.llm_engine.close()  # under the engine's lock
 
     def kv_stats(self) -> KVStats:
         """KV pool use, fragmentation, prefix-cache hits and preemptions so far."""
-        return self.llm_engine.kv_stats()
+        return self.llm_engine.kv_stats()  # under the engine's lock
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one request piece by piece as tokens arrive (n must be 1:
@@ -54,17 +62,19 @@ class LLM:
         if isinstance(sampling_params, SamplingParams) and sampling_params.n > 1:
             raise ValueError(f"stream() yields one sample's text, but n={sampling_params.n}; use n=1, "
                              "or llm_engine.add_request(..., stream=True), whose deltas name each sample")
-        engine = self.llm_engine
-        req = engine.make_request(prompt, sampling_params, stream=True)
+        engine, lock = self.llm_engine, self._lock
         sink: list[RequestOutput] = []
-        engine.enqueue(req, sink)
+        with lock:
+            req = engine.make_request(prompt, sampling_params, stream=True)
+            engine.enqueue(req, sink)
         done = False
         try:
             while not done:
-                if not sink:
-                    engine.advance()
-                    continue
-                out = sink.pop(0)
+                with lock:  # another thread's step may fill the sink: look under the lock
+                    if not sink:
+                        engine.advance()
+                        continue
+                    out = sink.pop(0)
                 done = out.finished
                 if out.error is not None:
                     raise RuntimeError(f"request failed: {out.error}")
@@ -73,7 +83,8 @@ class LLM:
                         yield completion.text
         finally:
             if not done:  # the caller stopped early, or an interrupt
-                engine.abort(req.request_id)
+                with lock:
+                    engine.abort(req.request_id)
 
     def generate(
         self,
@@ -91,28 +102,31 @@ class LLM:
         """
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        engine = self.llm_engine
+        engine, lock = self.llm_engine, self._lock
         requests = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            try:
-                requests.append(engine.make_request(prompt, p))
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
+        with lock:  # the tokenizer is not safe to call from two threads at once
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                try:
+                    requests.append(engine.make_request(prompt, p))
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from None
         order = {req.request_id: i for i, req in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)
         sink: list[RequestOutput] = []
         try:
-            for req in requests:
-                engine.enqueue(req, sink)
+            with lock:
+                for req in requests:
+                    engine.enqueue(req, sink)
             self._run(results, order, sink, use_tqdm)
         finally:  # interrupted: leave the engine clean for the next call
-            _abort_all(engine, [req.request_id for req in requests
-                                if results[order[req.request_id]] is None])
+            with lock:
+                _abort_all(engine, [req.request_id for req in requests
+                                    if results[order[req.request_id]] is None])
         failed = [out for out in results if out.error is not None]
         if failed:
             logger.warning("%d of %d requests failed in the engine (finish_reason 'error'); first: %s",
                            len(failed), len(results), failed[0].error)
-        logger.info(engine.kv_stats().summary())
+        logger.info(self.kv_stats().summary())
         return results
 
     def chat(
@@ -129,29 +143,32 @@ class LLM:
         conversations = _as_conversations(messages)
         tokenizer = self.get_tokenizer()
         prompts = []
-        for i, conv in enumerate(conversations):
-            try:
-                prompts.append(render_chat(tokenizer, conv, chat_template, add_generation_prompt))
-            except ValueError as e:
-                raise ValueError(f"conversation {i}: {e}" if len(conversations) > 1 else str(e)) from None
+        with self._lock:  # the tokenizer is not safe to call from two threads at once
+            for i, conv in enumerate(conversations):
+                try:
+                    prompts.append(render_chat(tokenizer, conv, chat_template, add_generation_prompt))
+                except ValueError as e:
+                    raise ValueError(f"conversation {i}: {e}" if len(conversations) > 1 else str(e)) from None
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, results, order, sink: list[RequestOutput], use_tqdm: bool) -> None:
-        engine = self.llm_engine
+        engine, lock = self.llm_engine, self._lock
         bar = tqdm(total=len(results), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         prefill_rate = decode_rate = 0.0
         last_postfix = 0.0
         remaining = len(results)
         try:
             while remaining:
-                engine.advance()
-                for out in sink:
+                with lock:  # another thread's step may already have filled the sink
+                    if not sink:
+                        engine.advance()
+                    outs, sink[:] = sink[:], []
+                    s = engine.last_step
+                for out in outs:
                     if out.finished:
                         results[order[out.request_id]] = out
                         remaining -= 1
                         bar.update(1)
-                sink.clear()
-                s = engine.last_step
                 if s.seconds > 0:
                     if s.prefill_tokens:
                         prefill_rate = s.prefill_tokens / s.seconds
@@ -160,7 +177,7 @@ class LLM:
                 now = time.perf_counter()
                 if use_tqdm and now - last_postfix > 0.2:
                     last_postfix = now
-                    kv = engine.kv_stats()
+                    kv = self.kv_stats()
                     bar.set_postfix_str(f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s, "
                                         f"KV {kv.usage:.0%}, hit {kv.hit_rate:.0%}", refresh=False)
         finally:

@@ -43,6 +43,11 @@ class StepStats:
 
 
 class LLMEngine:
+    """Not thread-safe by itself: `lock` (re-entrant) serializes it. The step API
+    (add_request, step, abort, kv_stats, close) takes it on each call; a caller of the
+    building blocks (make_request, enqueue, advance) holds it around them, as LLM does, or
+    keeps the engine to one thread, as AsyncLLM does."""
+
     def __init__(self, config: EngineConfig, tokenizer=None):
         from nanokv.executor import make_executor
 
@@ -62,6 +67,7 @@ class LLMEngine:
         self._unclaimed: list[RequestOutput] = []  # outputs for step(), produced while others stepped
         self._closed: str | None = None  # why the engine no longer runs (closed, or a dead worker)
         self.last_step = StepStats()
+        self.lock = threading.RLock()
 
     # ---- requests ---------------------------------------------------------------------
     def make_request(self, prompt: PromptType, params: SamplingParams | None = None,
@@ -121,8 +127,9 @@ class LLMEngine:
         (CompletionOutput token_ids and text hold only what is new), and finished=True
         on the request's last one.
         """
-        req = self.make_request(prompt, params, request_id, stream=stream)
-        self.enqueue(req)
+        with self.lock:
+            req = self.make_request(prompt, params, request_id, stream=stream)
+            self.enqueue(req)
         return req.request_id
 
     def enqueue(self, req: RequestState, sink: list | None = None) -> None:
@@ -163,24 +170,28 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         """Drop a request; its KV blocks are free at once. Unknown ids are ignored. Safe at
         any point, also when an interrupt cut a step short."""
-        req = self._requests.pop(str(request_id), None)
-        if req is None:
-            return
-        for seq in req.seqs:
-            self.output_processor.forget(seq)
-            self.scheduler.abort(seq)
+        with self.lock:
+            req = self._requests.pop(str(request_id), None)
+            if req is None:
+                return
+            for seq in req.seqs:
+                self.output_processor.forget(seq)
+                self.scheduler.abort(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def kv_stats(self) -> KVStats:
-        return dataclasses.replace(self.scheduler.kv_stats(), bytes_per_token=self.runner.kv_bytes_per_token)
+        with self.lock:
+            return dataclasses.replace(self.scheduler.kv_stats(), bytes_per_token=self.runner.kv_bytes_per_token)
 
     def close(self) -> None:
-        """Stop the executor (tensor-parallel workers); later calls raise RuntimeError."""
-        if self._closed is None:
-            self._closed = "this LLM is closed; create a new LLM"
-        self.executor.close()
+        """Stop the executor (tensor-parallel workers); later calls raise RuntimeError. Waits
+        for a step another thread is running."""
+        with self.lock:
+            if self._closed is None:
+                self._closed = "this LLM is closed; create a new LLM"
+            self.executor.close()
 
     def _check_open(self) -> None:
         if self._closed is not None:
@@ -191,8 +202,9 @@ class LLMEngine:
         """Run one batch. Returns the requests added through add_request that finished
         (also those that finished while LLM.generate or LLM.stream stepped the engine) and,
         for streaming ones, their new deltas."""
-        self.advance()
-        outputs, self._unclaimed = self._unclaimed, []
+        with self.lock:
+            self.advance()
+            outputs, self._unclaimed = self._unclaimed, []
         return outputs
 
     def advance(self) -> None:
