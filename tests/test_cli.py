@@ -330,6 +330,31 @@ def test_a_file_holding_only_a_torn_line_is_cut_only_after_a_killed_run(model_di
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "out.jsonl"]  # the trace is gone once repaired
 
 
+def test_a_lock_file_that_cannot_be_rewritten_keeps_the_trace(model_dir, tmp_path, monkeypatch, capsys):
+    """A rerun on a full disk cannot write its holder line into the killed run's lock
+    file: the old line must stay, so that a later rerun can still cut the torn line."""
+    rows = mixed_rows()
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    torn = b'{"id": "text-0", "line": 1, "num_prompt'
+    out.write_bytes(torn)
+    trace = b"nanokv generate pid 1 on elsewhere since 2025-01-01 00:00:00\n"
+    (tmp_path / "out.jsonl.lock").write_bytes(trace)
+
+    def full(fd, data, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    assert generate(str(tmp_path / "no-model"), inp, out, *GREEDY) == 2
+    err = capsys.readouterr().err
+    monkeypatch.undo()
+    assert (tmp_path / "out.jsonl.lock").read_bytes() == trace and out.read_bytes() == torn
+    assert "cannot write the lock file" in one_line(err)
+    assert generate(model_dir, inp, out, *GREEDY) == 0
+    assert "torn" in capsys.readouterr().err
+    assert set(by_id(out)) == {r["id"] for r in rows}
+
+
 def test_missing_output_directory_is_reported_before_the_model_loads(tmp_path, capsys):
     inp = write_jsonl(tmp_path / "in.jsonl", mixed_rows())
     no_model = str(tmp_path / "no-model")
@@ -561,6 +586,84 @@ def test_kill_mid_run_and_resume_gives_every_id_once(model_dir, llm, tmp_path, c
     expected = reference(llm, rows, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert_matches(by_id(out), expected)  # by_id: every id exactly once
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "out.jsonl"]
+
+
+# A process whose files may not grow past 40 bytes (RLIMIT_FSIZE, SIGXFSZ ignored: write()
+# fails with EFBIG, as it fails with ENOSPC on a full disk), from after `after` returns: for
+# generate the model load (which may write caches), for merge the first check of the files.
+_FSIZE_CHILD = """
+import resource, signal, sys
+from nanokv.entrypoints.cli import generate, main, merge
+module, name = {"generate": (generate, "_load_llm"), "merge": (merge, "load_keys")}[sys.argv[1]]
+real = getattr(module, name)
+
+def limited(*args, **kwargs):
+    result = real(*args, **kwargs)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (40, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    return result
+
+setattr(module, name, limited)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _with_a_40_byte_file_limit(*argv: str) -> str:
+    """Run `nanokv *argv` with that limit; it must fail (exit 2). Returns its stderr."""
+    child = subprocess.run([sys.executable, "-c", _FSIZE_CHILD, *argv], env=_env(), capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == 2, child.stderr
+    return child.stderr
+
+
+def _torn(path) -> bool:
+    data = path.read_bytes()
+    return bool(data) and not data.endswith(b"\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first", ["result", "error"])
+def test_a_write_that_fails_on_the_first_record_resumes(model_dir, tmp_path, capsys, first):
+    """The first record of a new output (or errors file) cut short by a failed write: the
+    file holds nothing but a torn line, and the rerun of the same command cuts it and
+    resumes (the lock file stays as the trace that nanokv wrote it)."""
+    rows = mixed_rows()[:6]
+    if first == "error":  # an error record is written before any result
+        rows.insert(0, {"id": "empty", "prompt": ""})
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
+    code = generate(model_dir, inp, ref, *GREEDY)
+    assert code == (3 if first == "error" else 0)
+    err = _with_a_40_byte_file_limit("generate", "--model", model_dir, "--input", inp, "--output", str(out), *GREEDY)
+    torn = tmp_path / ("out.jsonl" if first == "result" else "out.errors.jsonl")
+    assert _torn(torn) and len(torn.read_bytes()) == 40  # the first record, cut short
+    assert generate(model_dir, inp, out, *GREEDY) == code  # the same command resumes
+    assert "torn" in capsys.readouterr().err
+    assert "cannot write" in err and "rerun the same command to resume" in err
+    assert by_id(out) == by_id(ref)  # every id exactly once, as uninterrupted
+    if first == "error":
+        assert read_jsonl(tmp_path / "out.errors.jsonl") == read_jsonl(tmp_path / "ref.errors.jsonl")
+    assert not (tmp_path / "out.jsonl.lock").exists()  # the trace is gone once repaired
+
+    # a merge into a new output whose first record cannot be written: the rerun merges
+    merged = tmp_path / "merged.jsonl"
+    records = ref.read_bytes().splitlines(keepends=True)
+    for rank in range(2):
+        (tmp_path / part_path("merged.jsonl", rank, 2)).write_bytes(b"".join(records[rank::2]))
+    _with_a_40_byte_file_limit("merge", "--output", str(merged), "--world-size", "2")
+    assert _torn(merged)
+    assert main(["merge", "--output", str(merged), "--world-size", "2"]) == 0
+    assert "torn" in capsys.readouterr().err
+    assert by_id(merged) == by_id(ref)
+    assert not (tmp_path / "merged.jsonl.lock").exists()
+
+    # a file a user wrote that looks like a torn first record is still refused, every time
+    mine = tmp_path / "mine.jsonl"
+    mine.write_bytes(records[0][:40])
+    for _ in range(2):
+        assert generate(str(tmp_path / "no-model"), inp, mine, *GREEDY) == 2
+        assert "nanokv did not write this file" in one_line(capsys.readouterr().err)
+        assert mine.read_bytes() == records[0][:40] and not (tmp_path / "mine.jsonl.lock").exists()
 
 
 def _free_port() -> int:

@@ -62,7 +62,7 @@ def generate(args) -> int:
     group = _gloo_group(args.rendezvous_timeout, args.dist_timeout) if rank.world_size > 1 else None
     files = ShardFiles.of(args.output, rank)
     with contextlib.ExitStack() as stack:
-        locks = Locks("generate")
+        locks = Locks("generate", args.output)
         stack.callback(locks.release)
         source, scan, done, failed = _agreed(group, lambda: _prepare(args, rank, files, locks, stack))
         skip = done if args.retry_errors else done | failed
@@ -78,8 +78,10 @@ def generate(args) -> int:
                 with _engine_errors():
                     logger.info(llm.kv_stats().summary())
         finally:
-            out.close()
-            err.close()
+            try:
+                out.close()
+            finally:
+                err.close()
         say(f"rank {rank.rank}: " if rank.world_size > 1 else "", _summary(counts))
         if group is not None:
             if rank.rank != 0:

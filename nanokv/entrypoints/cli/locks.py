@@ -9,19 +9,24 @@ import socket
 import time
 
 from nanokv.entrypoints.cli.common import InputError
+from nanokv.entrypoints.cli.records import lock_guards
 
 
 class FileLock:
     """An exclusive flock(2) on `<target>.lock`, a file naming its holder. The kernel drops
     the lock when the holder dies, so a killed run never blocks its resume; a lock file
     left behind is the trace of a run that did not finish (`stale`), which is what lets a
-    file holding only a torn line be cut. Removed on release while still locked: whoever
-    opened the old file before then finds it unlinked after its flock and retries."""
+    file holding only a torn line be cut. Removed on release while still locked (whoever
+    opened the old file before then finds it unlinked after its flock and retries), except
+    when it must stay as that trace: the run was killed before it checked the files, or
+    one of the files it guards (`guards`, checked to be nanokv's since) ends in a torn line,
+    as a failed write (disk full, quota, file size limit) leaves one."""
 
-    def __init__(self, target: str, holder: str):
+    def __init__(self, target: str, holder: str, guards: tuple[str, ...] = ()):
         self.target, self.path = target, target + ".lock"
+        self.guards = guards  # the files this lock guards: what a torn line is looked for in
         self.stale = False  # it named a holder when taken: a run on these files was killed
-        self.settled = False  # the files it guards were checked and repaired since
+        self.settled = False  # the files it guards were checked (and repaired) since: nanokv's
         self._fd = self._acquire(holder)
 
     def _acquire(self, holder: str) -> int:
@@ -46,19 +51,39 @@ class FileLock:
             raise InputError(f"{self.path} exists and nanokv did not write it; move it away")
         self.stale = bool(previous)
         line = f"nanokv {holder} pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, line.encode(), 0)
-        os.fsync(fd)  # the trace must outlive a machine crash too
+        try:  # written before the old line is cut: on a full disk the trace stays
+            os.pwrite(fd, line.encode(), 0)
+            os.ftruncate(fd, len(line.encode()))
+            os.fsync(fd)  # the trace must outlive a machine crash too
+        except OSError as e:
+            os.close(fd)
+            raise InputError(f"cannot write the lock file {self.path}: {e.strerror}") from None
         return fd
 
     def release(self) -> None:
         if self._fd is None:
             return
-        if self.settled or not self.stale:  # else keep the trace of the killed run
+        trace = (self.stale and not self.settled) or (self.settled and any(map(_ends_torn, self.guards)))
+        if not trace:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
         os.close(self._fd)
         self._fd = None
+
+
+def _ends_torn(path: str) -> bool:
+    """Whether `path` ends in a line without a newline (a write cut short); True when it
+    cannot be read, as keeping the trace is the safe side."""
+    try:
+        with open(path, "rb") as f:
+            if f.seek(0, os.SEEK_END) == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
 
 
 def _same_file(fd: int, path: str) -> bool:
@@ -71,15 +96,16 @@ def _same_file(fd: int, path: str) -> bool:
 
 
 class Locks:
-    """The locks this process holds, by the path each guards (an output or an output part)."""
+    """The locks this process holds on `output`'s files, by the path each guards (the
+    output or an output part)."""
 
-    def __init__(self, holder: str):
-        self.holder = holder
+    def __init__(self, holder: str, output: str):
+        self.holder, self.output = holder, output
         self._held: dict[str, FileLock] = {}
 
     def take(self, target: str) -> FileLock:
         if target not in self._held:
-            self._held[target] = FileLock(target, self.holder)
+            self._held[target] = FileLock(target, self.holder, lock_guards(self.output, target))
         return self._held[target]
 
     def __contains__(self, target: str) -> bool:

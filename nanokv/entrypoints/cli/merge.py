@@ -25,6 +25,8 @@ def finalize(output: str, locks: Locks) -> int:
     for path, kind, target in files:  # check all (raises on a file nanokv did not write)
         load_keys(path, kind, done if (kind, target) == (RESULT, output) else set(), mine=True,
                   repair=target == output, evidence=locks.stale(target))
+    for _, _, target in files:  # checked: a line a failed write tears from here on is nanokv's
+        locks.settle(target)
     parts = [path for path, kind, target in files if kind == RESULT and target != output]
     with open(output, "ab") as f:
         for part in parts:
@@ -39,8 +41,6 @@ def finalize(output: str, locks: Locks) -> int:
     for path, _, target in files:
         if target != output:
             os.remove(path)
-    for _, _, target in files:
-        locks.settle(target)
     return num_errors
 
 
@@ -74,7 +74,7 @@ def merge(args) -> int:
     check_output_path(args.output)
     expected = {part_path(args.output, r, args.world_size) for r in range(args.world_size)}
     present = set(part_files(args.output))
-    locks = Locks("merge")
+    locks = Locks("merge", args.output)
     try:
         locks.take(args.output)
         num_errors = finalize(args.output, locks)

@@ -8,6 +8,7 @@ ever cut.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import math
@@ -16,7 +17,7 @@ import re
 import time
 from collections.abc import Iterator
 
-from nanokv.entrypoints.cli.common import EXIT_FAILED_LINES, EXIT_OK, InputError, say, valid_id
+from nanokv.entrypoints.cli.common import EXIT_FAILED_LINES, EXIT_OK, InputError, RunFailed, say, valid_id
 from nanokv.sampling_params import SamplingParams
 
 
@@ -53,6 +54,13 @@ def family(output: str) -> Iterator[tuple[str, str, str]]:
 
 
 RESULT, ERROR = "result", "error"  # the two kinds of file nanokv writes
+
+
+def lock_guards(output: str, target: str) -> tuple[str, str]:
+    """The files under the lock of `target` (the output or one of its parts, as family()
+    names them): it and its errors file."""
+    suffix = target[len(output):]
+    return target, errors_path(output) + suffix
 
 
 _RESULT_KEYS = frozenset({"id", "line", "num_prompt_tokens", "text", "token_ids", "finish_reason", "stop_reason",
@@ -195,7 +203,10 @@ class JsonlWriter:
     """Append-only JSONL output. Flushed by the caller after each engine step (a kill
     loses nothing that was flushed); fsynced every `fsync_every` records or
     `fsync_seconds` seconds (a machine crash loses at most that much, which resume redoes).
-    Opened on the first write, so a run without errors leaves no errors file."""
+    Opened on the first write, so a run without errors leaves no errors file. A write that
+    fails (disk full, quota, file size limit) raises RunFailed; the record it cut short is
+    the torn last line a resume cuts (the lock file stays as the trace that the file is
+    nanokv's)."""
 
     def __init__(self, path: str, fsync_every: int, fsync_seconds: float):
         self.path = path
@@ -206,20 +217,24 @@ class JsonlWriter:
 
     def open(self) -> "JsonlWriter":
         if self._f is None:
-            self._f = open(self.path, "ab")
+            with self._write_errors():
+                self._f = open(self.path, "ab")
         return self
 
     def write(self, rec: dict) -> None:
-        self.open()._f.write(_dumps(rec))
+        data = _dumps(rec)
+        with self._write_errors():
+            self.open()._f.write(data)
         self._unsynced += 1
 
     def flush(self) -> None:
         if self._f is None:
             return
-        self._f.flush()
-        if self._unsynced and (self._unsynced >= self.fsync_every
-                               or time.monotonic() - self._last_sync >= self.fsync_seconds):
-            self._sync()
+        with self._write_errors():
+            self._f.flush()
+            if self._unsynced and (self._unsynced >= self.fsync_every
+                                   or time.monotonic() - self._last_sync >= self.fsync_seconds):
+                self._sync()
 
     def _sync(self) -> None:
         os.fsync(self._f.fileno())
@@ -227,11 +242,23 @@ class JsonlWriter:
         self._last_sync = time.monotonic()
 
     def close(self) -> None:
-        if self._f is not None:
-            self._f.flush()
-            self._sync()
-            self._f.close()
-            self._f = None
+        if self._f is None:
+            return
+        with self._write_errors():
+            try:
+                self._f.flush()
+                self._sync()
+            finally:  # also after a failed write: what did not fit is dropped, never written later
+                f, self._f = self._f, None
+                f.close()
+
+    @contextlib.contextmanager
+    def _write_errors(self):
+        try:
+            yield
+        except OSError as e:
+            raise RunFailed(f"cannot write {self.path}: {e.strerror or e}; make room (disk space, quota, "
+                            "file size limit) and rerun the same command to resume") from e
 
 
 def exit_code(output: str, num_errors: int) -> int:
