@@ -116,6 +116,7 @@ CHILD = textwrap.dedent(r'''
 ''')
 
 
+@pytest.mark.slow
 def test_threads_calling_one_llm_each_get_their_own_outputs(model_dir):
     """Five threads at once on one LLM, a few rounds: three generate() calls (greedy,
     seeded n=2 sharing a prefix, stop strings), a stream() and the engine's step API; each
