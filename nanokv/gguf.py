@@ -3,8 +3,9 @@
 A `.gguf` file carries everything a model directory does: the config, the tokenizer with
 its chat template and EOS id, and the weights (usually quantized). What is read how:
 
-- the tensors: `read_tensors` parses the header with `struct` (the metadata is skipped,
-  but for `general.alignment`; then each tensor's name, dims, ggml type and offset) and
+- the tensors: `read_header` parses the header with `struct` (the metadata is skipped,
+  but for its scalars; then each tensor's name, dims, ggml type and offset), checks the
+  layout as llama.cpp's loader does, and
   gives each tensor's data as the gguf package's `GGUFReader` does, a read-only view of
   the memory-mapped file. `GGUFReader` itself builds a numpy view of every metadata item
   (a real vocabulary: some 440k of them, seconds), which nanokv does not need.
@@ -17,8 +18,10 @@ its chat template and EOS id, and the weights (usually quantized). What is read 
   (`save_pretrained`) under `cache_dir()`, the `gguf` folder of nanokv's cache root
   ($NANOKV_CACHE_DIR, else $XDG_CACHE_HOME/nanokv or ~/.cache/nanokv; the C kernels are
   built into its `kernels` folder), in `<file name>-<key>/config` and `.../tokenizer`,
-  the key a hash of the file's real path, size, mtime and inode and the transformers and
-  gguf versions (a rewritten or touched file is a new entry; old entries are never
+  the key a hash of the file's content (a SHA-256 of its header: metadata and tensor
+  infos, all that transformers derives them from) and the transformers and gguf versions;
+  each entry records what it was derived from and is used only when that matches (a file
+  rewritten in place, size and mtime kept, is a new entry; old entries are never
   removed). Entries are written atomically (a temporary folder, then os.replace); an
   entry that cannot be read is derived from the file again and rewritten, and a cache
   that cannot be written is skipped (logged at INFO): the cache never stops a load.
@@ -43,6 +46,7 @@ import glob
 import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -144,7 +148,8 @@ def load_config(path: str):
 
     supported = ", ".join(ARCHITECTURES)
     directory, name = os.path.split(os.path.abspath(path))
-    entry = _cache_entry(path, "config")
+    header = read_header(path)  # the layout checked before transformers reads the file
+    entry = _cache_entry(path, "config", header.digest)
     config = _read_cache(entry, AutoConfig.from_pretrained)
     if config is None:
         try:
@@ -152,16 +157,16 @@ def load_config(path: str):
         except Exception as e:  # an architecture transformers cannot read, a damaged file
             raise ValueError(f"cannot read the config of {path}: {e} (nanokv loads GGUF architectures "
                              f"{supported})") from e
-        _write_cache(entry, config)
+        _write_cache(entry, config, path)
     config.name_or_path = directory  # as derived (the cache's copy names the cache)
     if config.model_type not in ARCHITECTURES:
         raise ValueError(f"{path} is a {config.model_type!r} GGUF; nanokv loads GGUF architectures {supported}")
     config.architectures = [ARCHITECTURES[config.model_type]]
-    _complete_config(path, config)
+    _complete_config(path, config, header)
     return config
 
 
-def _complete_config(path: str, config) -> None:
+def _complete_config(path: str, config, header: GGUFHeader) -> None:
     """What transformers' GGUF config leaves out (it reads no head_dim for Qwen3 and no rope
     scaling for these architectures), from the file's metadata and its rope_freqs tensor:
     head_dim from `<arch>.attention.key_length`; rope_scaling from `<arch>.rope.scaling.*`
@@ -170,9 +175,7 @@ def _complete_config(path: str, config) -> None:
     from nanokv.layers.rotary import rope_parameters
 
     arch, theta = config.model_type, float(rope_parameters(config)["rope_theta"])
-    keys = {f"{arch}.{k}": None for k in ("attention.key_length", "rope.scaling.type", "rope.scaling.factor",
-                                           "rope.scaling.original_context_length")}
-    tensors = read_tensors(path, keys)
+    keys = header.metadata
     head_dim = keys.get(f"{arch}.attention.key_length")
     if head_dim:
         config.head_dim = int(head_dim)
@@ -187,7 +190,7 @@ def _complete_config(path: str, config) -> None:
         original = keys.get(f"{arch}.rope.scaling.original_context_length")
         if kind == "yarn" and original:
             rope_scaling["original_max_position_embeddings"] = int(original)
-    freqs = next((t for t in tensors if t.name == ROPE_FREQS), None)
+    freqs = next((t for t in header.tensors if t.name == ROPE_FREQS), None)
     if freqs is not None:
         if rope_scaling is not None:
             raise ValueError(f"{path} has both {ROPE_FREQS} and rope scaling {kind!r} in its metadata; nanokv "
@@ -282,14 +285,14 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     directory, name = os.path.split(os.path.abspath(path))
-    entry = _cache_entry(path, "tokenizer")
+    entry = _cache_entry(path, "tokenizer", read_header(path).digest)
     tokenizer = _read_cache(entry, AutoTokenizer.from_pretrained)
     if tokenizer is None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
         except Exception as e:
             raise ValueError(f"cannot load the tokenizer of {path}: {e}") from e
-        _write_cache(entry, tokenizer)
+        _write_cache(entry, tokenizer, path)
     tokenizer.name_or_path = directory
     return tokenizer
 
@@ -299,59 +302,86 @@ def cache_dir() -> Path:
     return build.cache_root() / "gguf"
 
 
-def _cache_entry(path: str, kind: str) -> Path | None:
+@dataclass(frozen=True)
+class _CacheEntry:
+    """A cache folder and the stamp it must hold: the digest of the file's header and the
+    versions of the packages that derived it."""
+
+    folder: Path
+    stamp: str
+
+
+_STAMP = "nanokv-source.json"  # in each entry: the stamp it was derived under
+
+
+def _cache_entry(path: str, kind: str, digest: str) -> _CacheEntry:
     """The cache folder of what transformers derives from the file ("config", "tokenizer"),
-    keyed by the file (a rewritten or touched one gets a new key) and the versions of the
-    packages that derive it. None when the file cannot be stat'ed (transformers reports it)."""
+    keyed by the file's content: the digest of its header, where all that transformers
+    reads for them lies (a file rewritten in place, with its size and mtime kept, gets a
+    new key), and the versions of the packages that derive it."""
     import transformers
 
-    real = os.path.realpath(path)
-    try:
-        st = os.stat(real)
-    except OSError:
-        return None
     try:
         gguf_version = importlib.metadata.version("gguf")
     except importlib.metadata.PackageNotFoundError:  # importable, but not installed (a source checkout)
         gguf_version = None
-    key = (real, st.st_size, st.st_mtime_ns, st.st_ino, transformers.__version__, gguf_version)
-    digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
-    return cache_dir() / f"{os.path.basename(real).removesuffix('.gguf')}-{digest}" / kind
+    stamp = json.dumps({"header_sha256": digest, "transformers": transformers.__version__, "gguf": gguf_version})
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
+    base = os.path.basename(os.path.realpath(path)).removesuffix(".gguf")
+    return _CacheEntry(cache_dir() / f"{base}-{key}" / kind, stamp)
 
 
-def _read_cache(entry: Path | None, load):
-    """load(entry) (a `from_pretrained`), or None when the cache has no such entry or it
-    cannot be read: the caller derives it from the file again and rewrites it."""
-    if entry is None or not os.path.isdir(entry):
+def _read_cache(entry: _CacheEntry, load):
+    """load(entry) (a `from_pretrained`), or None when the cache has no such entry, its
+    stamp is not the file's (derived from other content) or it cannot be read: the caller
+    derives it from the file again and rewrites it."""
+    if not os.path.isdir(entry.folder):
         return None
     try:
-        return load(str(entry))
+        stamp = (entry.folder / _STAMP).read_text()
+    except (OSError, UnicodeDecodeError):
+        stamp = None
+    if stamp != entry.stamp:
+        logger.info("ignoring the cache entry %s: not derived from this file's content", entry.folder)
+        return None
+    try:
+        return load(str(entry.folder))
     except Exception as e:  # noqa: BLE001 - a damaged entry (a truncated or removed file) must not stop a load
-        logger.info("ignoring the unreadable cache entry %s: %s", entry, e)
+        logger.info("ignoring the unreadable cache entry %s: %s", entry.folder, e)
         return None
 
 
-def _write_cache(entry: Path | None, derived) -> None:
-    """derived.save_pretrained() as the cache entry, atomically: written into a temporary
-    folder beside it, then renamed, so a reader never sees half an entry. A concurrent
-    writer that lost the race leaves the winner's entry; a cache that cannot be written is
-    skipped."""
-    if entry is None:
-        return
+def _write_cache(entry: _CacheEntry, derived, path: str) -> None:
+    """derived.save_pretrained() as the cache entry, with its stamp, atomically: written
+    into a temporary folder beside it, then renamed, so a reader never sees half an entry.
+    Skipped when the file's header changed while transformers read it (the entry would
+    not be the content it is keyed by). A concurrent writer that lost the race leaves the
+    winner's entry; a cache that cannot be written is skipped."""
+    folder = entry.folder
     try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent)
+        if json.loads(entry.stamp)["header_sha256"] != read_header(path).digest:
+            logger.info("not caching %s: %s changed while it was read", folder, path)
+            return
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent)
         try:
             derived.save_pretrained(tmp)
-            shutil.rmtree(entry, ignore_errors=True)  # one that could not be read
-            os.replace(tmp, entry)
+            Path(tmp, _STAMP).write_text(entry.stamp)
+            shutil.rmtree(folder, ignore_errors=True)  # one that could not be read, or of other content
+            os.replace(tmp, folder)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # left when another writer's entry is in place
-    except Exception as e:  # noqa: BLE001 - an unwritable root, a full disk, a lost race: load on without it
-        logger.info("not caching %s: %s", entry, e)
+    except Exception as e:  # noqa: BLE001 - an unwritable root, a full disk, a lost race, a file gone: load on
+        logger.info("not caching %s: %s", folder, e)
 
 
 _VERSIONS = (2, 3)  # the versions the gguf package reads (version 1 had 32-bit counts)
+# the layout rules llama.cpp's gguf.cpp loader enforces (ggml's limits)
+DEFAULT_ALIGNMENT = 32  # of the data section and of each tensor in it, unless general.alignment says otherwise
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_TENSOR_NAME = 63  # bytes (GGML_MAX_NAME, 64, holds the terminating NUL)
+MAX_ARRAY_DEPTH = 8  # arrays of arrays in the metadata (llama.cpp reads none; the gguf package writes them)
+_INT64_MAX = 2**63 - 1  # ggml counts elements in int64
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 # GGUF metadata value types (gguf.GGUFValueType) of a fixed size -> their bytes; the others:
 # a string (u64 length, UTF-8) and an array (u32 item type, u64 count, the items)
@@ -374,6 +404,16 @@ class GGUFTensor:
     name: str
     tensor_type: Any  # gguf.GGMLQuantizationType
     data: Any  # np.ndarray
+    shape: tuple[int, ...]  # [reversed GGUF dims]: torch's order, in elements (a weight's [out, in])
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """What nanokv reads of a GGUF file's header (`read_header`)."""
+
+    tensors: list[GGUFTensor]
+    metadata: dict[str, Any]  # every scalar key and every string key outside tokenizer.* -> its value
+    digest: str  # sha256 of the bytes before the tensor data: magic, metadata, tensor infos
 
 
 def read_tensors(path: str, metadata: dict | None = None) -> list[GGUFTensor]:
@@ -381,45 +421,66 @@ def read_tensors(path: str, metadata: dict | None = None) -> list[GGUFTensor]:
     views of every metadata item). ValueError names the path and what is wrong with it.
     `metadata`, {key: None}, is filled with the values of those keys the file has (scalars
     and strings; the others are left out)."""
+    header = read_header(path)
+    if metadata is not None:
+        wanted = list(metadata)
+        metadata.clear()
+        metadata.update({k: header.metadata[k] for k in wanted if k in header.metadata})
+    return header.tensors
+
+
+def read_header(path: str) -> GGUFHeader:
+    """The file's tensors, its scalar metadata and a digest of its header, checked as
+    llama.cpp's loader checks them (general.alignment a power of two; at most 4 dims, each
+    > 0, their product an int64; a known type, rows a whole number of its blocks; each
+    tensor at the offset the ones before it leave, aligned, no overlap; its data inside the
+    file; no key or tensor twice). Every ValueError names the path, and the tensor or key."""
     import gguf
     import numpy as np
 
     size = os.path.getsize(path)
     file = np.memmap(path, mode="r") if size else np.zeros(0, np.uint8)  # uint8 [size]
-    header = _Header(path, memoryview(file), frozenset(k.encode() for k in metadata or ()))
+    header = _Header(path, memoryview(file))
     try:
-        infos, data_start = header.parse()
+        infos, data_start, alignment = header.parse()
     except struct.error:  # a read ran off the end
         raise ValueError(f"{path}: the GGUF header is truncated (the file has {size} bytes); the file is "
                          "incomplete, download or copy it again") from None
-    tensors = []
+    tensors, expected = [], 0  # where the next tensor must start in the data section
     for name, dims, raw_type, offset in infos:
         try:
             qtype = gguf.GGMLQuantizationType(raw_type)
         except ValueError:
             raise ValueError(f"{path}: tensor {name} has the unknown ggml type {raw_type}") from None
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        row = dims[0] if dims else 1
+        if row % block:
+            raise ValueError(f"{path}: tensor {name} is {qtype.name} with {row} values per row, not a multiple "
+                             f"of its block size {block}; the file is damaged")
+        if offset != expected:
+            raise ValueError(f"{path}: tensor {name} starts at offset {offset} of the data section, expected "
+                             f"{expected}: each tensor follows the one before, aligned to {alignment} bytes "
+                             "(an unaligned or overlapping tensor); the file is damaged")
         start, nbytes = data_start + offset, math.prod(dims) * type_size // block
         if start + nbytes > size:
             raise ValueError(f"{path}: the data of tensor {name} (bytes {start} to {start + nbytes}) runs past the "
                              f"end of the file ({size} bytes); the file is truncated, download or copy it again")
+        expected += -(-nbytes // alignment) * alignment
         shape = tuple(reversed(dims))
         data = file[start:start + nbytes]
         dtype = _NUMPY_DTYPES.get(qtype.name)
         data = data.view(dtype).reshape(shape) if dtype else data.reshape(gguf.quant_shape_to_byte_shape(shape, qtype))
-        tensors.append(GGUFTensor(name, qtype, data))
-    if metadata is not None:
-        metadata.clear()
-        metadata.update(header.values)
-    return tensors
+        tensors.append(GGUFTensor(name, qtype, data, shape))
+    digest = hashlib.sha256(memoryview(file)[:min(data_start, size)]).hexdigest()
+    return GGUFHeader(tensors, header.values, digest)
 
 
 class _Header:
     """A cursor over a GGUF header (little-endian). A read past the end raises struct.error."""
 
-    def __init__(self, path: str, buf: memoryview, wanted: frozenset[bytes] = frozenset()):
+    def __init__(self, path: str, buf: memoryview):
         self.path, self.buf, self.pos = path, buf, 0
-        self.wanted, self.values = wanted, {}  # metadata keys to keep -> their values (scalars, strings)
+        self.values = {}  # metadata key -> its value (scalars; strings outside tokenizer.*)
 
     def fail(self, problem: str):
         raise ValueError(f"{self.path}: {problem}")
@@ -441,10 +502,12 @@ class _Header:
             raise struct.error("a string runs past the end")
         return bytes(self.buf[self.pos - n:self.pos])
 
-    def skip(self, value_type: int) -> None:
+    def skip(self, value_type: int, key: str, depth: int = 0) -> None:
         if value_type == _STRING:
             self.pos += 8 + _U64.unpack_from(self.buf, self.pos)[0]
         elif value_type == _ARRAY:
+            if depth == MAX_ARRAY_DEPTH:  # bounded: a deep nest must not take Python's stack
+                self.fail(f"metadata key {key} nests arrays more than {MAX_ARRAY_DEPTH} deep; the file is damaged")
             item_type, count = self.u32(), self.u64()
             if item_type in _FIXED_SIZES:
                 self.pos += count * _FIXED_SIZES[item_type]
@@ -453,16 +516,17 @@ class _Header:
                 for _ in range(count):
                     pos += 8 + unpack(buf, pos)[0]
                 self.pos = pos
-            else:
+            else:  # each item reads at least 12 bytes, so a huge count runs off the end soon
                 for _ in range(count):
-                    self.skip(item_type)
+                    self.skip(item_type, key, depth + 1)
         elif value_type in _FIXED_SIZES:
             self.pos += _FIXED_SIZES[value_type]
         else:
-            self.fail(f"unknown GGUF metadata value type {value_type}; the file is damaged")
+            self.fail(f"metadata key {key} has the unknown GGUF value type {value_type}; the file is damaged")
 
-    def parse(self) -> tuple[list[tuple[str, list[int], int, int]], int]:
-        """[(name, GGUF dims, ggml type, offset in the data)] and where the data starts."""
+    def parse(self) -> tuple[list[tuple[str, list[int], int, int]], int, int]:
+        """[(name, GGUF dims, ggml type, offset in the data)], where the data starts and the
+        alignment."""
         if len(self.buf) < 4:
             raise struct.error("the file ends before the magic")
         if bytes(self.buf[:4]) != b"GGUF":
@@ -475,17 +539,19 @@ class _Header:
         if version not in _VERSIONS:
             self.fail(f"GGUF version {version} is not supported; nanokv reads versions 2 and 3")
         n_tensors, n_kv = self.u64(), self.u64()
-        alignment = 32  # GGUF's default
+        alignment, keys = DEFAULT_ALIGNMENT, set()
         for _ in range(n_kv):
-            key, value_type = self.string(), self.u32()
-            if key in self.wanted and value_type in _SCALARS:
-                (value,) = _SCALARS[value_type].unpack_from(self.buf, self.pos)
-                self.values[key.decode()] = value
-            elif key in self.wanted and value_type == _STRING:
-                self.values[key.decode()] = self.string().decode("utf-8", errors="replace")
+            key, value_type = self.string().decode("utf-8", errors="replace"), self.u32()
+            if key in keys:
+                self.fail(f"metadata key {key} appears twice")
+            keys.add(key)
+            if value_type in _SCALARS:
+                (self.values[key],) = _SCALARS[value_type].unpack_from(self.buf, self.pos)
+            elif value_type == _STRING and not key.startswith("tokenizer."):
+                self.values[key] = self.string().decode("utf-8", errors="replace")
                 continue
-            if key != b"general.alignment":
-                self.skip(value_type)
+            if key != "general.alignment":
+                self.skip(value_type, key)
                 continue
             if value_type != _UINT32:
                 self.fail(f"general.alignment has the value type {value_type}, not uint32")
@@ -498,11 +564,20 @@ class _Header:
             if name in names:
                 self.fail(f"tensor {name} appears twice")
             names.add(name)
-            dims = [self.u64() for _ in range(self.u32())]
+            if len(name.encode()) > MAX_TENSOR_NAME:
+                self.fail(f"tensor {name[:80]}... has a name of {len(name.encode())} bytes; GGUF allows "
+                          f"{MAX_TENSOR_NAME}")
+            n_dims = self.u32()
+            if n_dims > MAX_DIMS:
+                self.fail(f"tensor {name} has {n_dims} dimensions; GGUF tensors have at most {MAX_DIMS}")
+            dims = [self.u64() for _ in range(n_dims)]
+            if not all(0 < d <= _INT64_MAX for d in dims) or math.prod(dims) > _INT64_MAX:
+                self.fail(f"tensor {name} has the dimensions {dims}: each must be at least 1 and their "
+                          f"product at most {_INT64_MAX}; the file is damaged")
             infos.append((name, dims, self.u32(), self.u64()))
         if self.pos > len(self.buf):  # a skipped value ran off the end
             raise struct.error("the header runs past the end")
-        return infos, -(-self.pos // alignment) * alignment
+        return infos, -(-self.pos // alignment) * alignment, alignment
 
 
 class _Dequantized:

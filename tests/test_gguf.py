@@ -74,9 +74,10 @@ def llama_cpp_rope_factors(rope: dict, head_dim: int, theta: float):
     return np.array(out, dtype=np.float32)
 
 
-def write_gguf(hf_dir: str, path: str, arch: str, extra_tensors=(), extra_strings=()) -> str:
+def write_gguf(hf_dir: str, path: str, arch: str, extra_tensors=(), extra_strings=(), metadata=()) -> str:
     """A GGUF file of the checkpoint in hf_dir, as llama.cpp would write it (a llama3 rope
-    scaling as the rope_freqs tensor, a linear or yarn one in the metadata)."""
+    scaling as the rope_freqs tensor, a linear or yarn one in the metadata). `metadata`:
+    (key, value, GGUFValueType) written over (or beside) the keys written from the config."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -140,6 +141,8 @@ def write_gguf(hf_dir: str, path: str, arch: str, extra_tensors=(), extra_string
         w.add_tensor(name, data)
     for key, value in extra_strings:
         w.add_string(key, value)
+    for key, value, vtype in metadata:
+        w.kv_data[0][key] = gguf.GGUFValue(value=value, type=vtype)  # add_key_value warns about a replaced key
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -504,18 +507,68 @@ def test_cache_root_is_nanokv_s(monkeypatch, tmp_path):
     assert REAL_CACHE_DIR() == tmp_path / "x" / "nanokv" / "gguf"
 
 
-def test_a_changed_file_gets_a_new_entry(cache_root, gguf_file, tmp_path):
+def test_entries_are_keyed_by_the_file_s_content(cache_root, gguf_file, tmp_path):
+    """A touched file or a copy in another folder keeps its entry (the folder is named by
+    the file name and a digest of its header); a rewritten one gets a new one."""
     path = str(tmp_path / "model.gguf")
     shutil.copy(gguf_file("qwen2-tiny"), path)
     assert nk_gguf.load_config(path).model_type == "qwen2"
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched
+    (tmp_path / "other").mkdir()
+    copy = shutil.copy(path, tmp_path / "other" / "model.gguf")
     assert nk_gguf.load_config(path).model_type == "qwen2"
-    assert len(CountingReader.opened) == 2 and len(entries(cache_root)) == 2
+    assert nk_gguf.load_config(str(copy)).model_type == "qwen2"
+    assert len(CountingReader.opened) == 1 and len(entries(cache_root)) == 1
     shutil.copy(gguf_file("qwen3-tiny"), tmp_path / "new.gguf")
     os.replace(tmp_path / "new.gguf", path)  # rewritten: another model under the same name
     assert nk_gguf.load_config(path).model_type == "qwen3"
-    assert len(CountingReader.opened) == 3 and len(entries(cache_root)) == 3
+    assert len(CountingReader.opened) == 2 and len(entries(cache_root)) == 2
+
+
+def _same_size_templates(checkpoint, tmp_path) -> list[tuple[str, str]]:
+    """Two GGUF files of one checkpoint, of one size, their chat templates one letter apart."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}<|im_start|>{}\n"
+    files = []
+    for role in ("user", "tool"):
+        chat_template = template.replace("{}", role)
+        path = write_gguf(checkpoint("qwen2-tiny"), str(tmp_path / f"{role}.gguf"), "qwen2",
+                          metadata=[("tokenizer.chat_template", chat_template, gguf.GGUFValueType.STRING)])
+        files.append((path, chat_template))
+    assert os.path.getsize(files[0][0]) == os.path.getsize(files[1][0])
+    return files
+
+
+def test_a_file_rewritten_in_place_with_its_size_and_mtime_gets_its_own_tokenizer(cache_root, checkpoint,
+                                                                                   tmp_path):
+    """cp -p / rsync -t --inplace: the same path, inode, size and mtime, other content."""
+    (old, old_template), (new, new_template) = _same_size_templates(checkpoint, tmp_path)
+    assert nk_gguf.load_tokenizer(old).chat_template == old_template
+    before = os.stat(old)
+    with open(new, "rb") as src, open(old, "r+b") as dst:
+        dst.write(src.read())
+    os.utime(old, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(old)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    assert nk_gguf.load_tokenizer(old).chat_template == new_template
+    assert len(CountingReader.opened) == 2  # derived again, not read from the old file's entry
+
+
+def test_an_entry_of_other_content_is_derived_again(cache_root, checkpoint, tmp_path, caplog):
+    """An entry is checked against the file's header digest before it is trusted: one
+    holding another file's tokenizer (copied over it) is derived from the file again."""
+    (a, a_template), (b, b_template) = _same_size_templates(checkpoint, tmp_path)
+    assert nk_gguf.load_tokenizer(a).chat_template == a_template
+    assert nk_gguf.load_tokenizer(b).chat_template == b_template
+    (a_entry,) = cache_root.glob("gguf/user-*/tokenizer")
+    (b_entry,) = cache_root.glob("gguf/tool-*/tokenizer")
+    shutil.rmtree(a_entry)
+    shutil.copytree(b_entry, a_entry)
+    with caplog.at_level(logging.INFO, logger="nanokv"):
+        assert nk_gguf.load_tokenizer(a).chat_template == a_template
+    assert "not derived from this file's content" in caplog.text
+    assert len(CountingReader.opened) == 3
+    assert nk_gguf.load_tokenizer(a).chat_template == a_template and len(CountingReader.opened) == 3  # rewritten
 
 
 @pytest.mark.parametrize("kind, file", [("config", "config.json"), ("tokenizer", "tokenizer.json"),
