@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from nanokv.model_config import model_head_dim  # noqa: F401 - where models/ and tests read it
+
 logger = logging.getLogger("nanokv")
 
 _DTYPES = {
@@ -131,12 +133,14 @@ class EngineArgs:
         """Resolve 'auto' values and validate every argument against the model."""
         from nanokv.gguf import resolve_model
         from nanokv.layers.activation import check_activation
+        from nanokv.loader import check_checkpoint
         from nanokv.models import resolve_architecture
 
         model = resolve_model(self.model)  # a built-in name ("smollm2") -> its file
         hf_config = load_hf_config(model)
         architecture = resolve_architecture(hf_config)
         check_activation(hf_config)
+        check_checkpoint(model, hf_config)  # sizes and values against the weights, before anything is allocated
         dev = _resolve_device(self.device)
         torch_dtype = _resolve_dtype(self.dtype, hf_config, dev)
         torch_dtype, weight_format, lm_head_format = _resolve_weights(torch_dtype, dev, self.quantization,
@@ -241,12 +245,6 @@ class EngineConfig:
     # "auto" (K/V stored in dtype), "int8" or "fp8": quantized pages with a float16 (scale,
     # zero) per (token, KV head) in a parallel tensor (runner/kv_cache.py)
     kv_cache_dtype: str = "auto"
-
-
-def model_head_dim(hf_config) -> int:
-    """Width of one attention head: the config's head_dim (Qwen3 sets its own), else
-    hidden_size / num_attention_heads."""
-    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
 def _check_tensor_parallel(n: int, hf_config, device: torch.device) -> None:

@@ -171,31 +171,39 @@ def _complete_config(path: str, config, header: GGUFHeader) -> None:
     scaling for these architectures), from the file's metadata and its rope_freqs tensor:
     head_dim from `<arch>.attention.key_length`; rope_scaling from `<arch>.rope.scaling.*`
     (linear, yarn) or from rope_freqs (llama3). Done on every load (a header read), so a
-    config cached before this existed is completed too."""
+    config cached before this existed is completed too. The values are checked later, with
+    the rest of the config (nanokv/model_config.py); those used here, first."""
     from nanokv.layers.rotary import rope_parameters
+    from nanokv.model_config import check_number, check_sizes
 
-    arch, theta = config.model_type, float(rope_parameters(config)["rope_theta"])
-    keys = header.metadata
+    arch, keys = config.model_type, header.metadata
+    theta = check_number(f"{path}: {arch}.rope.freq_base (rope_theta)", rope_parameters(config)["rope_theta"])
     head_dim = keys.get(f"{arch}.attention.key_length")
-    if head_dim:
-        config.head_dim = int(head_dim)
+    if head_dim is not None:  # even a bad one: the config's check names it
+        config.head_dim = head_dim
+    value_length = keys.get(f"{arch}.attention.value_length")
+    if value_length is not None and isinstance(head_dim, int) and head_dim > 0 and value_length != head_dim:
+        raise ValueError(f"{path}: {arch}.attention.value_length {value_length} differs from key_length "
+                         f"{config.head_dim}; nanokv runs attention heads with one width for keys and values")
     rope_scaling = None
     kind = keys.get(f"{arch}.rope.scaling.type")
     if kind not in (None, "", "none"):
         factor = keys.get(f"{arch}.rope.scaling.factor")
-        if kind not in ("linear", "yarn") or not factor:
+        if kind not in ("linear", "yarn") or factor is None:
             raise ValueError(f"{path}: rope scaling {kind!r} (factor {factor}) in the GGUF metadata is not "
                              "supported; nanokv reads linear and yarn scaling, and llama3's rope_freqs tensor")
-        rope_scaling = {"rope_type": kind, "factor": float(factor)}
+        rope_scaling = {"rope_type": kind,
+                        "factor": check_number(f"{path}: {arch}.rope.scaling.factor (rope scaling factor)", factor)}
         original = keys.get(f"{arch}.rope.scaling.original_context_length")
-        if kind == "yarn" and original:
-            rope_scaling["original_max_position_embeddings"] = int(original)
+        if kind == "yarn" and original is not None:
+            rope_scaling["original_max_position_embeddings"] = int(check_number(
+                f"{path}: {arch}.rope.scaling.original_context_length", original))
     freqs = next((t for t in header.tensors if t.name == ROPE_FREQS), None)
     if freqs is not None:
         if rope_scaling is not None:
             raise ValueError(f"{path} has both {ROPE_FREQS} and rope scaling {kind!r} in its metadata; nanokv "
                              "reads one of the two")
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = check_sizes(config, config_source(path, config, header, with_shapes=False))
         rope_scaling = rope_scaling_from_factors(path, gguf_array(freqs), theta, head_dim)
     if rope_scaling is None:
         return
@@ -203,6 +211,40 @@ def _complete_config(path: str, config, header: GGUFHeader) -> None:
         config.rope_parameters = {**rope_scaling, "rope_theta": theta}
     else:
         config.rope_scaling = rope_scaling
+
+
+# config attribute -> its GGUF key, after "<arch>." (transformers' GGUF config reads them so)
+GGUF_KEYS = {
+    "num_hidden_layers": "block_count", "max_position_embeddings": "context_length",
+    "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+    "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "vocab_size": "vocab_size", "rope_theta": "rope.freq_base", "factor": "rope.scaling.factor",
+    "original_max_position_embeddings": "rope.scaling.original_context_length",
+}
+# tensor role (model_config.TENSOR_SHAPES) -> its GGUF name (per-layer ones after "blk.<i>.")
+GGUF_TENSORS = {
+    "embed": "token_embd.weight", "lm_head": "output.weight", "norm": "output_norm.weight",
+    **{f"{r}{b}": f"attn_{n}.{'bias' if b else 'weight'}" for r, n in
+       (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output")) for b in ("", "_bias")},
+    "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+    **{f"{r}{b}": f"ffn_{r}.{'bias' if b else 'weight'}" for r in ("gate", "up", "down") for b in ("", "_bias")},
+    "attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight",
+}
+
+
+def config_source(path: str, config, header: GGUFHeader | None = None, with_shapes: bool = True):
+    """The file as model_config checks it: its keys, its tensor names and shapes."""
+    from nanokv.model_config import ConfigSource
+
+    header = header or read_header(path)
+    arch = config.model_type
+    keys = {attr: f"{arch}.{key}" for attr, key in GGUF_KEYS.items()}
+    if any(t.name == ROPE_FREQS for t in header.tensors):  # llama3's scaling: from the factors
+        keys.update(dict.fromkeys(("factor", "low_freq_factor", "high_freq_factor",
+                                   "original_max_position_embeddings"), ROPE_FREQS))
+    shapes = {t.name: t.shape for t in header.tensors} if with_shapes else None
+    return ConfigSource(path, keys, "blk.", GGUF_TENSORS, shapes)
 
 
 def gguf_array(tensor: GGUFTensor):

@@ -14,8 +14,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from nanokv.gguf import GGUFCheckpoint, find_gguf
+from nanokv.gguf import GGUFCheckpoint, config_source, find_gguf
 from nanokv.layers.linear import default_weight_loader
+from nanokv.model_config import HF_TENSORS, ConfigSource, check_model_config
 
 # Buffers some checkpoints carry that the model recomputes itself.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -40,6 +41,35 @@ def weight_files(model_dir: str) -> list[str]:
         hint = f" (found {other}: convert them to safetensors)" if other else ""
         raise ValueError(f"no *.safetensors weights in {model_dir}{hint}")
     return files
+
+
+def check_checkpoint(model_dir: str, hf_config) -> None:
+    """The config's sizes and values, and its sizes against the checkpoint's tensor shapes
+    (read from the file headers), before anything is allocated (model_config.py)."""
+    if (path := find_gguf(model_dir)) is not None:
+        source = config_source(path, hf_config)
+    else:
+        source = ConfigSource(os.path.join(model_dir, "config.json"), {}, "model.layers.", HF_TENSORS,
+                              _safetensors_shapes(model_dir))
+    check_model_config(hf_config, source)
+
+
+def _safetensors_shapes(model_dir: str) -> dict[str, tuple[int, ...]] | None:
+    """{tensor name: shape} of the directory's safetensors files, from their headers; None
+    without weights (the loader reports that)."""
+    try:
+        files = weight_files(model_dir)
+    except ValueError:
+        return None
+    shapes = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+        except Exception as e:  # a truncated or corrupt header: name the file
+            raise ValueError(f"cannot read {path}: {type(e).__name__}: {e}; the file is truncated or corrupt, "
+                             "download or convert it again") from e
+    return shapes
 
 
 def load_weights(model: nn.Module, model_dir: str) -> None:

@@ -1,19 +1,37 @@
 """Files are checked before they are trusted: a GGUF's tensor layout as llama.cpp's loader
-checks it, each problem a ValueError naming the file and the tensor or key."""
+checks it, and a model's config (GGUF metadata or config.json) against its tensors and
+for values that make NaN, each a ValueError naming the file and the tensor or key, raised
+before the model (its layers, rope table, KV pool) is built."""
 
 from __future__ import annotations
 
+import json
+import math
 import re
+import shutil
 import struct
 
 import pytest
 
+from nanokv import LLM
 from nanokv import gguf as nk_gguf
 
-from .test_gguf import private_gguf_cache, write_synthetic  # noqa: F401 - the fixture is autouse
+from .test_gguf import private_gguf_cache, write_gguf, write_synthetic  # noqa: F401 - the fixture is autouse
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed: pip install gguf")
 V = gguf.GGUFValueType
+SMALL = dict(kv_cache_memory_bytes=64 << 20)
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """The model must not be built: a check that fails only after it was is too late."""
+    import nanokv.runner.model_runner as model_runner
+
+    def build_model(*args, **kwargs):
+        raise AssertionError("the model was built before the bad value was refused")
+
+    monkeypatch.setattr(model_runner, "build_model", build_model)
 
 
 # ---- the tensor layout ------------------------------------------------------------------
@@ -113,3 +131,164 @@ def test_a_key_given_twice_is_refused(tmp_path):
     bad = _insert_kv(good, tmp_path / "twice.gguf", b"test.string", struct.pack("<IQ", 8, 1) + b"x", pad_key=False)
     with pytest.raises(ValueError, match=f"^{re.escape(bad)}: metadata key test.string appears twice"):
         nk_gguf.read_tensors(bad)
+
+
+# ---- the model's metadata, before anything is allocated ---------------------------------
+
+def _model_file(checkpoint, tmp_path, *metadata, shape="qwen2-tiny", arch="qwen2") -> str:
+    return write_gguf(checkpoint(shape), str(tmp_path / f"{shape}.gguf"), arch, metadata=metadata)
+
+
+SIZES = {  # metadata written over the file's (qwen2-tiny: 2 layers, hidden 64, 4 heads of 16, 2 KV heads) -> error
+    "block_count 100000": ([("qwen2.block_count", 100000, V.UINT32)],
+                           r"qwen2\.block_count \(num_hidden_layers\) is 100000, but the checkpoint has the tensors "
+                           r"of 2 layers \(blk\.0 to blk\.1\)"),
+    "block_count 1": ([("qwen2.block_count", 1, V.UINT32)],
+                      r"qwen2\.block_count \(num_hidden_layers\) is 1, but the checkpoint has the tensors of 2 layers"),
+    "key_length 2**20": ([("qwen2.attention.key_length", 2**20, V.UINT32),
+                          ("qwen2.attention.value_length", 2**20, V.UINT32)],
+                         r"tensor \S+ has the shape .* qwen2\.attention\.key_length \(head_dim\) 1048576"),
+    "key_length -32": ([("qwen2.attention.key_length", -32, V.INT32), ("qwen2.attention.value_length", -32, V.INT32)],
+                       r"qwen2\.attention\.key_length \(head_dim\) is -32; it must be an int >= 1"),
+    "value_length": ([("qwen2.attention.value_length", 32, V.UINT32)],
+                     r"qwen2\.attention\.value_length 32 differs from key_length 16"),
+    "head_count 0": ([("qwen2.attention.head_count", 0, V.UINT32)],
+                     r"qwen2\.attention\.head_count \(num_attention_heads\) is 0; it must be an int >= 1"),
+    "head_count 8": ([("qwen2.attention.head_count", 8, V.UINT32)],
+                     r"tensor blk\.\d\.attn_\S+ has the shape .*"
+                     r"qwen2\.attention\.head_count \(num_attention_heads\) 8"),
+    "head_count_kv 3": ([("qwen2.attention.head_count_kv", 3, V.UINT32)],
+                        r"qwen2\.attention\.head_count \(num_attention_heads\) 4 is not a multiple of "
+                        r"qwen2\.attention\.head_count_kv \(num_key_value_heads\) 3"),
+    "embedding_length": ([("qwen2.embedding_length", 2**20, V.UINT32)],
+                         r"tensor \S+ has the shape .*qwen2\.embedding_length \(hidden_size\) 1048576"),
+    "feed_forward_length": ([("qwen2.feed_forward_length", 2**30, V.UINT32)],
+                            r"tensor blk\.0\.ffn_\S+ has the shape .*"
+                            r"qwen2\.feed_forward_length \(intermediate_size\) 1073741824"),
+    "context_length 0": ([("qwen2.context_length", 0, V.UINT32)],
+                         r"qwen2\.context_length \(max_position_embeddings\) is 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(SIZES))
+def test_sizes_are_checked_against_the_tensors_before_the_model_is_built(checkpoint, tmp_path, no_model, case):
+    metadata, problem = SIZES[case]
+    path = _model_file(checkpoint, tmp_path, *metadata)
+    with pytest.raises(ValueError, match=f"^{re.escape(path)}: {problem}"):
+        LLM(path, **SMALL)
+
+
+def test_a_huge_context_length_sizes_nothing_by_itself(checkpoint, tmp_path, monkeypatch):
+    """context_length 2**31: the default max_model_len (the model's) is refused before the
+    model and its tables are built; a given max_model_len sizes the rope table."""
+    import nanokv.runner.model_runner as model_runner
+    from nanokv.layers.rotary import RotaryEmbedding
+
+    path = _model_file(checkpoint, tmp_path, ("qwen2.context_length", 2**31, V.UINT32))
+    build_model, built = model_runner.build_model, []
+
+    def guarded(model_cls, hf_config, model_dir, dtype, device, max_positions, tp=None):
+        assert max_positions <= 4096, f"a model built for {max_positions} positions"  # before it takes 17 GB
+        built.append(max_positions)
+        return build_model(model_cls, hf_config, model_dir, dtype, device, max_positions, tp)
+
+    monkeypatch.setattr(model_runner, "build_model", guarded)
+    with pytest.raises(ValueError, match=r"one max_model_len=2147483648 sequence must fit; raise "
+                                         r"kv_cache_memory_bytes or lower max_model_len"):
+        LLM(path, **SMALL)
+    assert not built
+    llm = LLM(path, max_model_len=96, **SMALL)
+    assert llm.llm_engine.config.hf_config.max_position_embeddings == 2**31
+    (rotary,) = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, RotaryEmbedding)]
+    assert rotary.cos.shape[0] == 96 and built == [96]
+
+
+NAN_MAKERS = {  # GGUF metadata -> the key the error names
+    "rms epsilon nan": ([("qwen2.attention.layer_norm_rms_epsilon", math.nan, V.FLOAT32)],
+                        r"qwen2\.attention\.layer_norm_rms_epsilon \(rms_norm_eps\) is nan"),
+    "rms epsilon negative": ([("qwen2.attention.layer_norm_rms_epsilon", -0.5, V.FLOAT32)],
+                             r"qwen2\.attention\.layer_norm_rms_epsilon \(rms_norm_eps\) is -0\.5"),
+    "rms epsilon zero": ([("qwen2.attention.layer_norm_rms_epsilon", 0.0, V.FLOAT32)],
+                         r"qwen2\.attention\.layer_norm_rms_epsilon \(rms_norm_eps\) is 0\.0"),
+    "rope base zero": ([("qwen2.rope.freq_base", 0.0, V.FLOAT32)], r"qwen2\.rope\.freq_base \(rope_theta\) is 0\.0"),
+    "rope base nan": ([("qwen2.rope.freq_base", math.nan, V.FLOAT32)], r"qwen2\.rope\.freq_base \(rope_theta\) is nan"),
+    "rope base negative": ([("qwen2.rope.freq_base", -10000.0, V.FLOAT32)],
+                           r"qwen2\.rope\.freq_base \(rope_theta\) is -10000\.0"),
+    "rope base inf": ([("qwen2.rope.freq_base", math.inf, V.FLOAT32)], r"qwen2\.rope\.freq_base \(rope_theta\) is inf"),
+    **{f"linear factor {v}": ([("qwen2.rope.scaling.type", "linear", V.STRING),
+                               ("qwen2.rope.scaling.factor", v, V.FLOAT32)],
+                              rf"qwen2\.rope\.scaling\.factor \(rope scaling factor\) is {re.escape(str(v))}")
+       for v in (math.nan, math.inf, 0.0, -2.0)},
+    "yarn factor nan": ([("qwen2.rope.scaling.type", "yarn", V.STRING),
+                         ("qwen2.rope.scaling.factor", math.nan, V.FLOAT32),
+                         ("qwen2.rope.scaling.original_context_length", 256, V.UINT32)],
+                        r"qwen2\.rope\.scaling\.factor \(rope scaling factor\) is nan"),
+}
+
+
+@pytest.mark.parametrize("case", list(NAN_MAKERS))
+def test_values_that_make_nan_are_refused_naming_the_key(checkpoint, tmp_path, no_model, case):
+    metadata, problem = NAN_MAKERS[case]
+    path = _model_file(checkpoint, tmp_path, *metadata)
+    with pytest.raises(ValueError, match=f"^{re.escape(path)}: {problem}; it must be a finite number > 0"):
+        LLM(path, **SMALL)
+
+
+def test_an_infinite_rope_freqs_factor_is_refused(checkpoint, tmp_path, no_model):
+    """Llama 3.1's scaling comes from the rope_freqs tensor: factors all inf read as a
+    linear scaling by inf, refused naming the tensor."""
+    import numpy as np
+
+    path = write_gguf(checkpoint("qwen2-tiny"), str(tmp_path / "inf-freqs.gguf"), "qwen2",
+                      extra_tensors=[("rope_freqs.weight", np.full(8, np.inf, np.float32))])  # head_dim 16
+    with pytest.raises(ValueError, match=f"^{re.escape(path)}: rope_freqs\\.weight \\(factor\\) is inf; it must be a "
+                                         "finite number > 0"):
+        LLM(path, **SMALL)
+
+
+# ---- config.json ------------------------------------------------------------------------
+
+def _model_dir(checkpoint, tmp_path, shape="qwen3-tiny", **changes) -> str:
+    d = tmp_path / "model"
+    shutil.copytree(checkpoint(shape), d)
+    config = json.loads((d / "config.json").read_text())
+    for key, value in changes.items():
+        target = config
+        *parents, last = key.split(".")
+        for p in parents:
+            target = target.setdefault(p, {})
+        target[last] = value
+    (d / "config.json").write_text(json.dumps(config))  # NaN and Infinity as Python's json writes them
+    return str(d)
+
+
+CONFIG_JSON = {  # config.json keys (dotted: inside a dict) -> the error after "<dir>/config.json: "
+    "num_hidden_layers": ({"num_hidden_layers": 100000, "layer_types": None},  # None: one per layer
+                          r"num_hidden_layers is 100000, but the checkpoint has the tensors of 2 layers "
+                          r"\(model\.layers\.0 to model\.layers\.1\)"),
+    "head_dim": ({"head_dim": 2**20},
+                 r"tensor model\.layers\.\d\.self_attn\.\S+ has the shape .*head_dim 1048576"),
+    "head_dim negative": ({"head_dim": -32}, r"head_dim is -32; it must be an int >= 1"),
+    "intermediate_size": ({"intermediate_size": 2**30},
+                          r"tensor model\.layers\.0\.mlp\.\S+ has the shape .*intermediate_size 1073741824"),
+    "vocab_size": ({"vocab_size": 2**24}, r"tensor model\.embed_tokens\.weight has the shape \[1024, 64\], but "
+                                          r"the config gives \[16777216, 64\]"),
+    "rms_norm_eps nan": ({"rms_norm_eps": math.nan}, r"rms_norm_eps is nan; it must be a finite number > 0"),
+    "rms_norm_eps negative": ({"rms_norm_eps": -1e-6}, r"rms_norm_eps is -1e-06; it must be a finite number > 0"),
+    "rope_theta zero": ({"rope_parameters.rope_theta": 0.0}, r"rope_theta is 0\.0; it must be a finite number > 0"),
+    "rope_theta nan": ({"rope_parameters.rope_theta": math.nan}, r"rope_theta is nan; it must be a finite number"),
+    "factor nan": ({"rope_parameters.rope_type": "linear", "rope_parameters.factor": math.nan},
+                   r"rope_parameters\.factor is nan; it must be a finite number > 0"),
+    "factor inf": ({"rope_parameters.rope_type": "linear", "rope_parameters.factor": math.inf},
+                   r"rope_parameters\.factor is inf; it must be a finite number > 0"),
+    "factor zero": ({"rope_parameters.rope_type": "linear", "rope_parameters.factor": 0.0},
+                    r"rope_parameters\.factor is 0\.0; it must be a finite number > 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_JSON))
+def test_config_json_is_checked_like_gguf_metadata(checkpoint, tmp_path, no_model, case):
+    changes, problem = CONFIG_JSON[case]
+    d = _model_dir(checkpoint, tmp_path, **changes)
+    with pytest.raises(ValueError, match=f"^{re.escape(d)}/config.json: {problem}"):
+        LLM(d, **SMALL)

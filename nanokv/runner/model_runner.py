@@ -19,6 +19,7 @@ from nanokv.layers.custom_op import choose_kernels
 from nanokv.layers.sampler import Sampler, SamplerOutput, SamplingTensors, TokenCounts, list_tensor, seed_keys
 from nanokv.loader import build_model
 from nanokv.models import get_model_class
+from nanokv.models.llama import kv_heads_of_rank
 from nanokv.runner.cuda_graph import DecodeGraphs
 from nanokv.runner.inputs import PackedStep, StepInputs, StepPacker, unpack_step
 from nanokv.runner.kv_cache import allocate_kv_cache, bytes_per_block, bytes_per_token, num_kv_blocks
@@ -49,6 +50,10 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         hf = config.hf_config
         allocated = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        # a max_model_len (by default the model's context length) that no pool could hold is refused before the
+        # model, its rope table and the block table are sized by it: the pool only shrinks once the weights load
+        kv_heads = kv_heads_of_rank(hf.num_key_value_heads, tp)[1]
+        num_kv_blocks(config, bytes_per_block(config, hf.num_hidden_layers, kv_heads, config.head_dim))
         self.model = build_model(get_model_class(config.architecture), hf, config.model,
                                  config.dtype, self.device, config.max_model_len, tp)
         # the C kernels or torch, for every layer at once (compiles them on first use)
