@@ -43,6 +43,25 @@ def server(model_dir, tmp_path_factory):
         s.stop()
 
 
+# The abort tests need a request that cannot finish before its client goes away: on the tiny
+# model 4 x 240 tokens take 0.1 s, less than a busy machine may take to kill a client
+# (a killed client's request then ran to its end and counted as finished). A 16k context
+# and no max_tokens make it minutes of work, so "nothing running" within the idle wait's
+# seconds is the abort's doing.
+LONG_LEN = 16384
+
+
+@pytest.fixture(scope="module")
+def long_server(checkpoint, tmp_path_factory):
+    s = Server(checkpoint("qwen3-tiny", max_position_embeddings=LONG_LEN), "--served-model-name", MODEL,
+               "--api-key", API_KEY, "--max-model-len", str(LONG_LEN), "--kv-cache-memory-bytes", str(128 << 20),
+               log_path=str(tmp_path_factory.mktemp("long-server") / "log"))
+    try:
+        yield s.start()
+    finally:
+        s.stop()
+
+
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=60, max_retries=0)
@@ -268,10 +287,11 @@ def successes(m: dict) -> float:
     return sum(v for k, v in m.items() if k.startswith("nanokv:request_success_total"))
 
 
-LONG = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 240, "ignore_eos": True, "temperature": 0, "n": 4}
+LONG = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": None, "ignore_eos": True, "temperature": 0, "n": 4}
 
 
-def test_a_client_that_disconnects_mid_stream_aborts_its_request(server):
+def test_a_client_that_disconnects_mid_stream_aborts_its_request(long_server):
+    server = long_server
     before = successes(assert_idle(server))
     with httpx.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True}, headers=AUTH,
                       timeout=30) as resp:
@@ -282,7 +302,8 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(server):
     assert successes(after) == before  # aborted, not run to the end
 
 
-def test_a_non_streaming_client_that_goes_away_aborts_its_request(server):
+def test_a_non_streaming_client_that_goes_away_aborts_its_request(long_server):
+    server = long_server
     before = successes(assert_idle(server))
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=LONG, headers=AUTH, timeout=httpx.Timeout(30, read=0.1))
@@ -315,7 +336,7 @@ KILLED_CLIENT = """
 import sys, openai
 client = openai.OpenAI(base_url=sys.argv[1], api_key=sys.argv[2], max_retries=0, timeout=30)
 stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], stream=True,
-                                        max_tokens=240, temperature=0, n=4, extra_body={"ignore_eos": True})
+                                        temperature=0, n=4, extra_body={"ignore_eos": True})
 for chunk in stream:
     if chunk.choices and chunk.choices[0].delta.content:
         print("streaming", flush=True)
@@ -323,12 +344,14 @@ for chunk in stream:
 """
 
 
-def test_a_client_killed_mid_stream_leaves_nothing_running(server):
+def test_a_client_killed_mid_stream_leaves_nothing_running(long_server):
+    server = long_server
     before = successes(assert_idle(server))
     proc = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, server.url + "/v1", API_KEY], env=server_env(),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert proc.stdout.readline() == b"streaming\n", proc.stderr.read()
+        import time; time.sleep(1)  # a busy machine
         proc.kill()
         proc.wait(10)
     finally:
