@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import sys
 
 import pytest
@@ -239,3 +240,67 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(off
     assert check_error(chat, 400, "messages has 4110 characters")["param"] == "messages"
     check_error(tokenized_long, 400, "tokens but max_model_len is 256")
     assert tokenized == [4000]  # only the last one reached the tokenizer
+
+
+def test_an_empty_api_key_is_refused_at_start(monkeypatch, capsys):
+    # checked before the model loads: the model here does not exist, the key is what is named
+    for key in ("", "   "):
+        assert main(["serve", "/nonexistent/model", "--api-key", key]) == 2
+        assert "--api-key: the API key is empty" in capsys.readouterr().err
+    monkeypatch.setenv("NANOKV_API_KEY", "")
+    assert main(["serve", "/nonexistent/model"]) == 2
+    assert "$NANOKV_API_KEY: the API key is empty" in capsys.readouterr().err
+    assert main(["serve", "/nonexistent/model", "--api-key", " key "]) == 2
+    assert "whitespace" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="empty"):
+        ServerSettings(model_names=("tiny",), api_key="")
+
+
+def test_the_bearer_scheme_is_case_insensitive(offline):
+    llm, app = app_for(offline, api_key="sekrit")
+
+    async def main():
+        llm.start()
+        async with client(app) as http:
+            codes = {header: (await http.get("/v1/models", headers={"Authorization": header})).status_code
+                     for header in ("Bearer sekrit", "bearer sekrit", "BEARER sekrit", "bEaReR  sekrit",
+                                    "Basic sekrit", "Bearer sekrit2", "Bearer", "sekrit")}
+        llm.shutdown()
+        return codes
+
+    assert run(main()) == {"Bearer sekrit": 200, "bearer sekrit": 200, "BEARER sekrit": 200, "bEaReR  sekrit": 200,
+                           "Basic sekrit": 401, "Bearer sekrit2": 401, "Bearer": 401, "sekrit": 401}
+
+
+def test_500_bodies_carry_no_exception_text(offline, caplog):
+    llm, app = app_for(offline)
+    secret = "/home/someone/secret-path-4711"
+
+    async def broken_snapshot():
+        raise RuntimeError(f"cannot read {secret}")
+
+    def broken_step(batch):
+        raise RuntimeError(f"kernel failed on {secret}")
+
+    llm.snapshot = broken_snapshot
+    llm.engine.executor.execute = broken_step
+
+    async def main():
+        llm.start()
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            scrape = await http.get("/metrics")
+            whole = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            streamed = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": True})
+        llm.shutdown()
+        return scrape, whole, streamed
+
+    with caplog.at_level("ERROR", logger="nanokv"):
+        scrape, whole, streamed = run(main())
+    check_error(scrape, 500, "internal server error")
+    check_error(whole, 500, "the request failed inside the server")
+    event = json.loads(streamed.text.split("\n\n")[0].removeprefix("data: "))
+    assert event["error"]["code"] == 500 and "the request failed inside the server" in event["error"]["message"]
+    for resp in (scrape, whole, streamed):
+        assert secret not in resp.text and "RuntimeError" not in resp.text
+    assert secret in caplog.text  # the log keeps it

@@ -10,6 +10,7 @@ import os
 from nanokv.config import DEFAULT_MODEL, EngineArgs
 from nanokv.entrypoints.cli.common import EXIT_USAGE, InputError, say
 
+API_KEY_ENV = "NANOKV_API_KEY"  # the key when --api-key is not given
 _SERVER_MODULES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
 
 
@@ -38,12 +39,19 @@ def serve(args) -> int:
     logging.getLogger("nanokv").setLevel(logging.INFO)
 
     from nanokv.entrypoints.openai.api_server import run_server
-    from nanokv.entrypoints.openai.settings import ServerSettings
+    from nanokv.entrypoints.openai.settings import ServerSettings, check_api_key
 
+    api_key, key_source = args.api_key, "--api-key"
+    if api_key is None:
+        api_key, key_source = os.environ.get(API_KEY_ENV), f"${API_KEY_ENV}"
+    if api_key is not None:  # an empty one ("$UNSET_VARIABLE") is refused, never taken as "no key"
+        try:
+            check_api_key(api_key)
+        except ValueError as e:
+            raise InputError(f"{key_source}: {e}") from None
     settings = ServerSettings(
         model_names=tuple(args.served_model_name or [model]), host=args.host, port=args.port,
-        api_key=args.api_key if args.api_key is not None else os.environ.get("NANOKV_API_KEY") or None,
-        max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
+        api_key=api_key, max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
         timeout_keep_alive=args.timeout_keep_alive, log_level=args.uvicorn_log_level)
     try:
         return run_server(EngineArgs.from_cli_args(args, model=model), settings)

@@ -18,6 +18,7 @@ import logging
 import signal
 import sys
 import time
+import uuid
 
 try:
     import prometheus_client
@@ -76,8 +77,11 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception) -> Response:
-        logger.exception("%s %s failed", request.method, request.url.path)
-        return json_response(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), 500)
+        # the traceback goes to the log only: exception text can hold paths, values and internals
+        error_id = uuid.uuid4().hex[:12]
+        logger.exception("%s %s failed (error %s)", request.method, request.url.path, error_id)
+        return json_response(error_body(500, f"internal server error {error_id}; the server's log has the details"),
+                             500)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -178,12 +182,17 @@ class BearerAuth:
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
+
+    def _allowed(self, header: bytes) -> bool:
+        scheme, _, token = header.strip().partition(b" ")
+        # the scheme is case-insensitive (RFC 9110 11.1): "bearer" and "BEARER" are Bearer
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
+            if not self._allowed(given):
                 body = error_body(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
                                        "with the server's --api-key")
                 response = json_response(body, 401, {"WWW-Authenticate": "Bearer"})

@@ -191,6 +191,13 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _engine_failure(response_id: str, reason: str) -> APIError:
+    """A 500 for a request that failed in a step: the reason (exception text) goes to the
+    log, the client gets the response id to find it there."""
+    logger.error("%s: %s", response_id, reason)
+    return APIError(500, f"the request failed inside the server; its log has the details under {response_id}")
+
+
 class _EventStream(StreamingResponse):
     """An SSE response that closes its request stream however the response ends (a
     client that disconnects cancels it before or while the body is sent)."""
@@ -230,7 +237,7 @@ class _Answer:
         choices = [_Choice() for _ in range(self.num_choices)]
         for out in outputs:
             if out.error is not None:
-                raise APIError(500, f"the request failed in the engine: {out.error}")
+                raise _engine_failure(self.id, out.error)
             for c in out.outputs:
                 choices[self.base[out.request_id] + c.index].add(c)
         self.usage.completion_tokens = sum(len(ch.token_ids) for ch in choices)
@@ -272,7 +279,7 @@ class _Answer:
                 parts = []
                 for out in outputs:
                     if out.error is not None:
-                        yield _sse(error_body(500, f"the request failed in the engine: {out.error}")) + _DONE
+                        yield _sse(_engine_failure(self.id, out.error).body()) + _DONE
                         return
                     for c in out.outputs:
                         index = self.base[out.request_id] + c.index

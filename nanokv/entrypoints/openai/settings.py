@@ -19,3 +19,18 @@ class ServerSettings:
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     timeout_keep_alive: float = 5.0  # seconds an idle keep-alive connection stays open (vLLM's, uvicorn's)
     log_level: str = "info"  # uvicorn's
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None:
+            check_api_key(self.api_key)
+
+
+def check_api_key(key: str) -> None:
+    """ValueError for a key that cannot protect anything: empty (an unset variable in
+    `--api-key "$KEY"`) or with surrounding whitespace (no client can send it)."""
+    if not key.strip():
+        raise ValueError("the API key is empty: the server would take every request without authentication; "
+                         "give a non-empty key, or leave it unset to serve without one")
+    if key != key.strip():
+        raise ValueError("the API key starts or ends with whitespace, which no HTTP client can send "
+                         "(header values are trimmed); remove it")
