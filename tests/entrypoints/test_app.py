@@ -304,3 +304,74 @@ def test_500_bodies_carry_no_exception_text(offline, caplog):
     for resp in (scrape, whole, streamed):
         assert secret not in resp.text and "RuntimeError" not in resp.text
     assert secret in caplog.text  # the log keeps it
+
+
+def test_host_origin_and_content_type_checks(offline, capsys):
+    """In process: the transport's URL is the address a request arrived on (loopback or not)."""
+    body = {"prompt": "Hi", "max_tokens": 1}
+
+    async def send(app, base: str, requests: list) -> list:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=base) as http:
+            return [await http.request(method, path, json=body if method == "POST" else None, headers=headers)
+                    for method, path, headers in requests]
+
+    def answers(settings: dict, base: str, requests: list) -> list:
+        llm, app = app_for(offline, **settings)
+
+        async def main():
+            llm.start()
+            try:
+                return await send(app, base, requests)
+            finally:
+                llm.shutdown()
+
+        return run(main())
+
+    hosts = ["evil.example:8000", "EVIL.example", "localhost:8000", "ui.localhost", "[::1]:8000", "10.1.2.3",
+             "my.box:8000", "a.my.domain", "my.domain"]
+    host_requests = [("GET", "/v1/models", {"Host": h}) for h in hosts]
+    codes = lambda resps: [r.status_code for r in resps]  # noqa: E731
+    # over loopback: IP addresses and localhost only
+    assert codes(answers({}, "http://127.0.0.1:8000", host_requests)) == [403, 403, 200, 200, 200, 200, 403, 403, 403]
+    # on a network address: any name, unless --allowed-hosts lists them
+    assert codes(answers({}, "http://192.168.1.5:8000", host_requests)) == [200] * 9
+    allowed = {"allowed_hosts": ("my.box", ".my.domain")}
+    for base in ("http://127.0.0.1:8000", "http://192.168.1.5:8000"):
+        assert codes(answers(allowed, base, host_requests)) == [403, 403, 200, 200, 200, 200, 200, 200, 200]
+    assert codes(answers({"allowed_hosts": ("*",)}, "http://127.0.0.1:8000", host_requests)) == [200] * 9
+
+    # Origin: refused unless allowed (or the same origin); CORS only for allowed origins
+    origin_requests = [("POST", "/v1/completions", {"Origin": "http://ui.example"}),
+                       ("GET", "/v1/models", {"Origin": "http://other.example"}),
+                       ("POST", "/v1/completions", {"Origin": "http://127.0.0.1:8000"}),
+                       ("OPTIONS", "/v1/completions", {"Origin": "http://ui.example", "Access-Control-Request-Method":
+                                                       "POST", "Access-Control-Request-Headers": "authorization"})]
+    off = answers({}, "http://127.0.0.1:8000", origin_requests)
+    assert codes(off) == [403, 403, 200, 403]
+    assert not any("access-control-allow-origin" in r.headers for r in off)
+    check_error(off[0], 403, "--allowed-origins http://ui.example")
+    on = answers({"allowed_origins": ("http://ui.example",)}, "http://127.0.0.1:8000", origin_requests)
+    assert codes(on) == [200, 403, 200, 200]
+    assert on[0].headers["access-control-allow-origin"] == "http://ui.example"
+    assert on[3].headers["access-control-allow-origin"] == "http://ui.example"
+
+    # JSON by its Content-Type only
+    llm, app = app_for(offline)
+
+    async def typed():
+        llm.start()
+        async with client(app) as http:
+            out = [await http.post("/v1/completions", content=json.dumps(body).encode(),
+                                   headers={} if t is None else {"Content-Type": t})
+                   for t in (None, "text/plain", "multipart/form-data; boundary=x", "application/json",
+                             "Application/JSON; charset=utf-8", "application/merge-patch+json")]
+        llm.shutdown()
+        return out
+
+    assert codes(run(typed())) == [415, 415, 415, 200, 200, 200]
+
+    for flag, value, match in (("--allowed-origins", "ui.example", "not an origin"),
+                               ("--allowed-origins", "http://ui.example/path", "not an origin"),
+                               ("--allowed-hosts", "http://my.box", "not a host name")):
+        assert main(["serve", "/nonexistent/model", flag, value]) == 2
+        assert match in capsys.readouterr().err

@@ -73,7 +73,8 @@ def offline(model_dir):
 
 
 def post(server, path: str, body=None, *, content: bytes | None = None, timeout: float = 60) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, content=content, headers=AUTH, timeout=timeout)
+    return httpx.post(server.url + path, json=body, content=content, timeout=timeout,
+                      headers={**AUTH, "Content-Type": "application/json"})
 
 
 def texts(choices) -> list[str]:
@@ -323,7 +324,7 @@ def test_a_client_that_hangs_up_mid_body_gets_no_traceback_and_the_server_keeps_
     body = json.dumps({**LONG, "stream": True}).encode()
     for _ in range(3):
         with socket.create_connection((address.hostname, address.port), timeout=10) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          b"Authorization: " + AUTH["Authorization"].encode() + b"\r\n"
                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:len(body) // 2])
     out = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0)
@@ -416,6 +417,39 @@ def test_health_models_and_the_api_key(server, client):
         bad.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, stream=True)
+
+
+def test_cross_site_requests_are_refused(server):
+    """A page on another site: its text/plain POST (no preflight needed), its requests
+    after DNS rebinding (Host: its own name), its Origin; none is served, none gets CORS
+    headers. The openai client and plain scripts (JSON, an IP or localhost, no Origin) are."""
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode()
+    port = server.port
+
+    def send(method: str, path: str, headers: dict, content: bytes | None = None) -> httpx.Response:
+        return httpx.request(method, server.url + path, content=content, headers={**AUTH, **headers}, timeout=30)
+
+    plain = send("POST", "/v1/completions", {"Content-Type": "text/plain"}, body)
+    typeless = send("POST", "/v1/completions", {}, body)
+    form = send("POST", "/v1/completions", {"Content-Type": "application/x-www-form-urlencoded"}, body)
+    for resp in (plain, typeless, form):
+        assert resp.status_code == 415 and resp.json()["error"]["type"] == "UnsupportedMediaTypeError", resp.text
+        assert "Content-Type: application/json" in resp.json()["error"]["message"]
+    foreign = send("POST", "/v1/completions", {"Content-Type": "text/plain", "Origin": "http://evil.example"}, body)
+    rebound = send("GET", "/v1/models", {"Host": f"evil.example:{port}"})
+    rebound_post = send("POST", "/v1/completions", {"Host": f"evil.example:{port}",
+                                                    "Content-Type": "application/json"}, body)
+    preflight = send("OPTIONS", "/v1/completions", {"Origin": "http://evil.example",
+                                                    "Access-Control-Request-Method": "POST"})
+    for resp in (foreign, rebound, rebound_post, preflight):
+        assert resp.status_code == 403 and set(resp.json()["error"]) == {"message", "type", "param", "code"}
+        assert "access-control-allow-origin" not in resp.headers
+        assert server.model not in resp.text
+    assert "--allowed-hosts evil.example" in rebound.json()["error"]["message"]
+    assert "--allowed-origins http://evil.example" in foreign.json()["error"]["message"]
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "127.0.0.1", f"LOCALHOST.:{port}"):
+        ok = send("POST", "/v1/completions", {"Host": host, "Content-Type": "application/json; charset=utf-8"}, body)
+        assert ok.status_code == 200 and "access-control-allow-origin" not in ok.headers, (host, ok.text)
 
 
 TOO_LONG = "word " * 400

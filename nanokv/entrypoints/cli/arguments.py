@@ -128,7 +128,14 @@ def _add_serve_parser(sub) -> None:
                       help="the model names clients use (the first is reported in responses); default: MODEL")
     http.add_argument("--api-key", default=None,
                       help="require 'Authorization: Bearer <key>' on every /v1 route (unset: $NANOKV_API_KEY "
-                           "if set, else no key)")
+                           "if set, else no key; an empty key is refused)")
+    http.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                      help="Host names requests may use besides IP addresses and localhost (.example.com: a "
+                           "domain and its subdomains; *: any); default: any on a network address, only those "
+                           "over loopback (a DNS-rebinding defence)")
+    http.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                      help="web origins (http://host:port, or *) whose pages may call the API: turns CORS on "
+                           "for them; default: none, cross-origin browser requests get 403")
     http.add_argument("--max-waiting", type=_positive_int, default=ServerSettings.max_waiting,
                       help="most sequences (prompts x n) queued for admission; beyond it requests get 503 "
                            "with Retry-After")

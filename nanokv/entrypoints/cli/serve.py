@@ -49,10 +49,15 @@ def serve(args) -> int:
             check_api_key(api_key)
         except ValueError as e:
             raise InputError(f"{key_source}: {e}") from None
-    settings = ServerSettings(
-        model_names=tuple(args.served_model_name or [model]), host=args.host, port=args.port,
-        api_key=api_key, max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
-        timeout_keep_alive=args.timeout_keep_alive, log_level=args.uvicorn_log_level)
+    try:
+        settings = ServerSettings(
+            model_names=tuple(args.served_model_name or [model]), host=args.host, port=args.port,
+            api_key=api_key, allowed_hosts=tuple(args.allowed_hosts or ()),
+            allowed_origins=tuple(args.allowed_origins or ()), max_waiting=args.max_waiting,
+            shutdown_timeout=args.shutdown_timeout, timeout_keep_alive=args.timeout_keep_alive,
+            log_level=args.uvicorn_log_level)
+    except ValueError as e:
+        raise InputError(str(e)) from None
     try:
         return run_server(EngineArgs.from_cli_args(args, model=model), settings)
     except ValueError as e:  # a bad engine flag or model

@@ -24,6 +24,7 @@ try:
     import prometheus_client
     import uvicorn
     from fastapi import FastAPI
+    from starlette.middleware.cors import CORSMiddleware
     from starlette.exceptions import HTTPException as StarletteHTTPException
     from starlette.requests import ClientDisconnect, Request
     from starlette.responses import Response
@@ -38,6 +39,7 @@ from nanokv.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from nanokv.entrypoints.openai.protocol import APIError, bad_request, error_body
 from nanokv.entrypoints.openai.serving import OpenAIServing, json_response
 from nanokv.entrypoints.openai.settings import ServerSettings
+from nanokv.entrypoints.openai.sites import SiteGuard
 
 logger = logging.getLogger("nanokv")
 
@@ -123,14 +125,21 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     async def version() -> Response:
         return json_response({"version": nanokv.__version__})
 
-    if settings.api_key:
+    # the last added runs first: the site checks, then CORS (when asked for), then the key
+    if settings.api_key is not None:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
+    app.add_middleware(SiteGuard, allowed_hosts=settings.allowed_hosts, allowed_origins=settings.allowed_origins)
     return app
 
 
 async def read_json(request: Request) -> tuple[dict, bool]:
-    """The body as a JSON object (APIError 400 otherwise, 413 past MAX_BODY_BYTES), and
-    whether it is big enough to be handled off the event loop."""
+    """The body as a JSON object (APIError 400 otherwise, 413 past MAX_BODY_BYTES, 415
+    without a JSON Content-Type), and whether it is big enough to be handled off the
+    event loop."""
+    _check_json_type(request.headers.get("content-type"))
     size, chunks = 0, []
     try:
         async for chunk in request.stream():
@@ -150,6 +159,17 @@ async def read_json(request: Request) -> tuple[dict, bool]:
         raise bad_request(f"the body must be a JSON object, got a JSON {type(body).__name__}; "
                           'send {"model": ..., ...}')
     return body, big
+
+
+def _check_json_type(content_type: str | None) -> None:
+    """415 unless the body is declared JSON: a web page can send text/plain or a form (or
+    a typeless body) to any server without asking it first, but not application/json."""
+    media = (content_type or "").partition(";")[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return
+    got = f"Content-Type {content_type[:100]!r}" if content_type else "no Content-Type"
+    raise APIError(415, f"the body must be sent as JSON, got {got}; send the header "
+                        "'Content-Type: application/json' (curl: -H 'Content-Type: application/json')")
 
 
 def _parse(raw: bytes):

@@ -17,8 +17,9 @@ from typing import Any, Callable
 from nanokv.llm import render_chat
 from nanokv.sampling_params import SamplingParams
 
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                405: "MethodNotAllowedError", 413: "RequestTooLargeError", 500: "InternalServerError",
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+                404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
+                413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError", 500: "InternalServerError",
                 503: "ServiceUnavailableError"}
 
 

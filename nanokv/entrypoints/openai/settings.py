@@ -4,6 +4,7 @@ of the serve extra, so the CLI can read the defaults without fastapi."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -15,6 +16,10 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    # Host names accepted besides IP addresses and localhost; empty: checked only for
+    # requests that arrive over loopback; "*": not checked (sites.py)
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()  # web origins that may call the API (CORS); empty: none
     max_waiting: int | None = 1024  # sequences queued for admission; beyond it 503
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     timeout_keep_alive: float = 5.0  # seconds an idle keep-alive connection stays open (vLLM's, uvicorn's)
@@ -23,6 +28,8 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if self.api_key is not None:
             check_api_key(self.api_key)
+        check_allowed_hosts(self.allowed_hosts)
+        check_allowed_origins(self.allowed_origins)
 
 
 def check_api_key(key: str) -> None:
@@ -34,3 +41,20 @@ def check_api_key(key: str) -> None:
     if key != key.strip():
         raise ValueError("the API key starts or ends with whitespace, which no HTTP client can send "
                          "(header values are trimmed); remove it")
+
+
+_ORIGIN = re.compile(r"https?://[^/\s?#]+")
+
+
+def check_allowed_hosts(hosts: tuple[str, ...]) -> None:
+    for host in hosts:
+        if not host or host != host.strip() or any(c in host for c in "/@ \t") or "://" in host:
+            raise ValueError(f"--allowed-hosts: {host!r} is not a host name; give names such as my-box.lan, "
+                             "a leading dot for a domain and its subdomains (.example.com), or * for any")
+
+
+def check_allowed_origins(origins: tuple[str, ...]) -> None:
+    for origin in origins:
+        if origin != "*" and not _ORIGIN.fullmatch(origin):
+            raise ValueError(f"--allowed-origins: {origin!r} is not an origin; give scheme://host[:port] "
+                             "(http://localhost:3000, no path) or * for any")
