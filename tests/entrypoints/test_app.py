@@ -43,7 +43,7 @@ def client(app) -> httpx.AsyncClient:
 
 
 def check_error(resp, status: int, match: str) -> dict:
-    assert resp.status_code == status, resp.text
+    assert resp.status_code == status, resp.text[:2000]
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
     assert match in error["message"], error["message"]
@@ -375,3 +375,49 @@ def test_host_origin_and_content_type_checks(offline, capsys):
                                ("--allowed-hosts", "http://my.box", "not a host name")):
         assert main(["serve", "/nonexistent/model", flag, value]) == 2
         assert match in capsys.readouterr().err
+
+
+def test_a_non_streamed_response_over_the_size_budget_is_400(offline):
+    llm, app = app_for(offline, max_response_tokens=100)  # max_model_len 256
+    chat = [{"role": "user", "content": "Hi"}]
+    bodies = [  # (path, body, status)
+        ("/v1/completions", {"prompt": "Hi", "n": 2, "max_tokens": 50, "ignore_eos": True}, 200),  # 100: fits
+        ("/v1/completions", {"prompt": "Hi", "n": 2, "max_tokens": 51}, 400),
+        ("/v1/completions", {"prompt": ["Hi", "Ho"], "max_tokens": 51}, 400),  # prompts count too
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 20, "logprobs": 4, "ignore_eos": True}, 200),  # 100
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 20, "logprobs": 5}, 400),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": None}, 400),  # unset: what max_model_len leaves
+        ("/v1/chat/completions", {"messages": chat}, 400),
+        ("/v1/chat/completions", {"messages": chat, "max_completion_tokens": 40, "logprobs": True,
+                                  "top_logprobs": 2}, 400),
+        ("/v1/completions", {"prompt": "Hi", "n": 2, "max_tokens": 60, "ignore_eos": True, "stream": True}, 200),
+    ]
+
+    async def main():
+        llm.start()
+        async with client(app) as http:
+            out = [await http.post(path, json=body) for path, body, _ in bodies]
+        llm.shutdown()
+        return out
+
+    answers = run(main())
+    assert [r.status_code for r in answers] == [status for _, _, status in bodies], [r.text[:200] for r in answers]
+    error = check_error(answers[1], 400, "this response could hold 102 tokens and logprobs (n=2 x up to 51 tokens")
+    assert "more than the 100 a non-streamed response may hold (--max-response-tokens)" in error["message"]
+    assert error["param"] == "max_tokens"
+    assert check_error(answers[7], 400, "(1 + logprobs 2)")["param"] == "max_completion_tokens"
+    assert answers[0].json()["usage"]["completion_tokens"] == 100
+    assert answers[-1].text.count('"finish_reason":"length"') == 2  # streamed: not limited
+
+    # the default: n=1024 with 20 logprobs and max_tokens null is refused before anything runs
+    llm, app = app_for(offline)
+
+    async def default():
+        llm.start()
+        async with client(app) as http:
+            resp = await http.post("/v1/completions", json={"prompt": "Hi", "n": 1024, "logprobs": 20,
+                                                                "max_tokens": None})
+        llm.shutdown()
+        return resp
+
+    check_error(run(default()), 400, f"more than the {2**19} a non-streamed response may hold")

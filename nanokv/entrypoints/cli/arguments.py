@@ -139,6 +139,10 @@ def _add_serve_parser(sub) -> None:
     http.add_argument("--max-waiting", type=_positive_int, default=ServerSettings.max_waiting,
                       help="most sequences (prompts x n) queued for admission; beyond it requests get 503 "
                            "with Retry-After")
+    http.add_argument("--max-response-tokens", type=_positive_int, default=ServerSettings.max_response_tokens,
+                      help="most tokens plus logprob entries a non-streamed response may hold (prompts x n x "
+                           "max_tokens x (1 + logprobs); max_tokens unset: what max_model_len leaves); beyond it "
+                           "400 (streamed responses are not limited)")
     http.add_argument("--shutdown-timeout", type=_non_negative_float, default=ServerSettings.shutdown_timeout,
                       help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they are aborted")
     http.add_argument("--timeout-keep-alive", type=_positive_float, default=ServerSettings.timeout_keep_alive,

@@ -54,8 +54,8 @@ def serve(args) -> int:
             model_names=tuple(args.served_model_name or [model]), host=args.host, port=args.port,
             api_key=api_key, allowed_hosts=tuple(args.allowed_hosts or ()),
             allowed_origins=tuple(args.allowed_origins or ()), max_waiting=args.max_waiting,
-            shutdown_timeout=args.shutdown_timeout, timeout_keep_alive=args.timeout_keep_alive,
-            log_level=args.uvicorn_log_level)
+            max_response_tokens=args.max_response_tokens, shutdown_timeout=args.shutdown_timeout,
+            timeout_keep_alive=args.timeout_keep_alive, log_level=args.uvicorn_log_level)
     except ValueError as e:
         raise InputError(str(e)) from None
     try:

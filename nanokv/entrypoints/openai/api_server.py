@@ -53,7 +53,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     prometheus_client.disable_created_metrics()
     metrics = ServerMetrics(settings.model_names[0])
     llm.stat_loggers.append(metrics.record)
-    serving = OpenAIServing(llm, list(settings.model_names))
+    serving = OpenAIServing(llm, list(settings.model_names), settings.max_response_tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

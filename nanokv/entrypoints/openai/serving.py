@@ -100,9 +100,10 @@ class _Choice:
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, model_names: list[str]):
+    def __init__(self, llm: AsyncLLM, model_names: list[str], max_response_tokens: int):
         self.llm = llm
         self.model_names = model_names
+        self.max_response_tokens = max_response_tokens
         self.token_text = TokenText(llm.tokenizer)
         self.limits = Limits.of(llm.tokenizer, llm.config.max_model_len)
 
@@ -151,7 +152,26 @@ class OpenAIServing:
         gen = (parse_chat(body, self.model_names, self.llm.tokenizer, self.limits) if chat
                else parse_completion(body, self.model_names, self.limits))
         self.llm.check_room(len(gen.prompts) * gen.params.n)  # before tokenizing a big batch
-        return gen, self._make_requests(gen, response_id)
+        reqs = self._make_requests(gen, response_id)
+        if not gen.stream:
+            self._check_response_size(gen, reqs)
+        return gen, reqs
+
+    def _check_response_size(self, gen: GenerationRequest, reqs: list[RequestState]) -> None:
+        """A 400 for a whole response that could outgrow max_response_tokens: every sample's
+        max_tokens (as clamped to max_model_len) times 1 + logprobs."""
+        per_token = 1 + (gen.logprobs or 0)
+        size = per_token * sum(seq.max_tokens for r in reqs for seq in r.seqs)
+        if size <= self.max_response_tokens:
+            return
+        name = gen.param_names["max_tokens"]
+        most = max(seq.max_tokens for r in reqs for seq in r.seqs)
+        prompts = f"{len(reqs)} prompts x " if len(reqs) > 1 else ""
+        raise bad_request(
+            f"this response could hold {size} tokens and logprobs ({prompts}n={gen.params.n} x up to {most} "
+            f"tokens x (1 + logprobs {gen.logprobs or 0})), more than the {self.max_response_tokens} a "
+            f"non-streamed response may hold (--max-response-tokens); lower n, {name} or logprobs, or send "
+            "stream: true (a stream holds one step at a time)", name)
 
     def _make_requests(self, gen: GenerationRequest, response_id: str) -> list[RequestState]:
         reqs = []

@@ -21,6 +21,11 @@ class ServerSettings:
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()  # web origins that may call the API (CORS); empty: none
     max_waiting: int | None = 1024  # sequences queued for admission; beyond it 503
+    # A non-streamed response is held whole until it is sent: prompts x n x max_tokens x
+    # (1 + logprobs) at most (max_tokens unset: what max_model_len leaves after the prompt),
+    # a 400 beyond. A logprob entry costs a few hundred bytes of Python objects and JSON,
+    # so about 200 MB at the limit. Streamed responses hold one step and are not limited.
+    max_response_tokens: int = 2**19
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     timeout_keep_alive: float = 5.0  # seconds an idle keep-alive connection stays open (vLLM's, uvicorn's)
     log_level: str = "info"  # uvicorn's
