@@ -33,7 +33,7 @@ def server_env() -> dict:
 class Server:
     """`python -m nanokv serve MODEL ARGS --port P`; stop() in a finally."""
 
-    def __init__(self, model: str, *args: str, log_path: str):
+    def __init__(self, model: str, *args: str, log_path: str, nofile: int | None = None):
         # HTTP/1.1's keep-alive race: a client that reuses an idle connection just as the
         # server's idle timer (5 s) closes it gets a connection error. Clients retry those
         # (openai's SDK twice); these tests send with max_retries=0 to count every request
@@ -42,6 +42,7 @@ class Server:
         # once). An idle time longer than any test rules the race out; a test's own
         # --timeout-keep-alive comes later and wins.
         self.model, self.args, self.log_path = model, ["--timeout-keep-alive", "600", *args], log_path
+        self.nofile = nofile  # the server's file descriptor limit, soft and hard (ulimit -n)
         self.proc: subprocess.Popen | None = None
         self.port = 0
 
@@ -56,7 +57,8 @@ class Server:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "nanokv", "serve", self.model, "--host", "127.0.0.1", "--port",
                  str(self.port), "--uvicorn-log-level", "warning", *self.args],
-                env=server_env(), stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+                env=server_env(), stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=None if self.nofile is None else self._limit_descriptors)
             if self._wait_healthy(timeout):
                 return self
             alive = self.proc.poll() is None
@@ -64,6 +66,11 @@ class Server:
             if alive:  # not a lost port race: it hung
                 break
         raise RuntimeError(f"the server did not start:\n{self.read_log()}")
+
+    def _limit_descriptors(self) -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
     def _wait_healthy(self, timeout: float) -> bool:
         import httpx

@@ -421,3 +421,29 @@ def test_a_non_streamed_response_over_the_size_budget_is_400(offline):
         return resp
 
     check_error(run(default()), 400, f"more than the {2**19} a non-streamed response may hold")
+
+
+def test_the_descriptor_limit_is_raised_and_connections_capped_below_it(capsys):
+    import resource
+    import subprocess
+
+    from nanokv.entrypoints.openai.connections import FD_RESERVE, connection_limits
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard > 256:  # in a child: a low soft limit is raised to the hard one
+        code = ("import resource; from nanokv.entrypoints.openai.connections import raise_fd_limit; "
+                "resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1])); "
+                "print(raise_fd_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert out.stdout.split() == [str(hard), str(hard)], out.stderr
+    cap, backlog = connection_limits(None, 1024)
+    assert cap + 4 * backlog + FD_RESERVE < 1024 and cap > 512  # an accept burst never reaches the limit
+    assert connection_limits(100, 1024) == (100, backlog)
+    with pytest.raises(ValueError, match="--max-connections 5000 needs more file descriptors"):
+        connection_limits(5000, 1024)
+    with pytest.raises(ValueError, match="raise it"):
+        connection_limits(None, 150)
+    for seconds in ("0", "-1", "nan"):
+        with pytest.raises(SystemExit):
+            main(["serve", "--timeout-request-read", seconds])
+        assert "must be a positive number of seconds" in capsys.readouterr().err

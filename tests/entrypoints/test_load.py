@@ -12,6 +12,7 @@ import json
 import os
 import random
 import signal
+import socket
 import time
 
 import pytest
@@ -411,3 +412,64 @@ async def _streams_then_sigterm(server: Server, count: int) -> list[list[str]]:
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)  # every stream is open
         server.signal(signal.SIGTERM)
         return await asyncio.gather(*tasks)
+
+
+# ---- silent connections --------------------------------------------------------------------------
+
+def _raise_own_fd_limit(want: int) -> int:
+    """This process's soft descriptor limit raised toward `want` (up to the hard limit)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def _read_until_closed(sock: socket.socket, timeout: float) -> bytes:
+    """What the server sends before it closes the connection (fails if it stays open)."""
+    sock.settimeout(timeout)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_silent_connections_neither_lock_clients_out_nor_stay_open(model_dir, tmp_path):
+    """2,000 connections that send nothing against a server with half as many descriptors
+    (ulimit -n): /health and requests still answer; a connection whose request stalls
+    (nothing, half the headers, half the body) is closed after --timeout-request-read."""
+    silent = min(2000, _raise_own_fd_limit(2200) - 150)
+    server = Server(model_dir, "--served-model-name", "tiny", "--max-model-len", str(MAX_LEN),
+                    "--timeout-request-read", "5", log_path=str(tmp_path / "server.log"),
+                    nofile=max(256, silent // 2)).start()
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(silent):
+            socks.append(socket.create_connection(("127.0.0.1", server.port), timeout=30))
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=30, max_retries=0)
+        assert client.completions.create(model="tiny", prompt="Hi", max_tokens=3).usage.completion_tokens == 3
+
+        body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 3}).encode()
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+        stalls = {"nothing": b"", "half the headers": head[:40], "half the body": head + body[:10]}
+        stalled = {}
+        for name, sent in stalls.items():
+            stalled[name] = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+            stalled[name].sendall(sent)
+        answers = {name: _read_until_closed(sock, 120) for name, sock in stalled.items()}
+        for name in ("nothing", "half the headers"):
+            assert answers[name].startswith(b"HTTP/1.1 408 "), (name, answers[name][:200])
+            assert b'"RequestTimeoutError"' in answers[name] and b"--timeout-request-read" in answers[name]
+        assert answers["half the body"] == b""  # the app was reading it: the read ends, nobody to answer
+        for sock in stalled.values():
+            sock.close()
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    finally:
+        for sock in socks:
+            sock.close()
+        server.stop()
+    assert "Traceback" not in server.read_log()

@@ -147,6 +147,14 @@ def _add_serve_parser(sub) -> None:
                       help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they are aborted")
     http.add_argument("--timeout-keep-alive", type=_positive_float, default=ServerSettings.timeout_keep_alive,
                       help="seconds an idle HTTP keep-alive connection stays open (vLLM's and uvicorn's default: 5)")
+    http.add_argument("--timeout-request-read", type=_positive_float, default=ServerSettings.timeout_request_read,
+                      help="seconds a request has to arrive whole (headers and body) from its first byte, or from "
+                           "the connection's opening; then the connection is closed (408 when its headers never "
+                           "completed)")
+    http.add_argument("--max-connections", type=_positive_int, default=None,
+                      help="most open client connections; at the limit a new one closes the oldest not being "
+                           "served, or gets 503 (default: what the file descriptor limit allows, raised to the "
+                           "hard limit at start)")
     http.add_argument("--uvicorn-log-level", default=ServerSettings.log_level,
                       choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
     eng = srv.add_argument_group("engine (LLM(...) arguments)")

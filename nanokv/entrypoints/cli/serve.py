@@ -55,7 +55,8 @@ def serve(args) -> int:
             api_key=api_key, allowed_hosts=tuple(args.allowed_hosts or ()),
             allowed_origins=tuple(args.allowed_origins or ()), max_waiting=args.max_waiting,
             max_response_tokens=args.max_response_tokens, shutdown_timeout=args.shutdown_timeout,
-            timeout_keep_alive=args.timeout_keep_alive, log_level=args.uvicorn_log_level)
+            timeout_keep_alive=args.timeout_keep_alive, timeout_request_read=args.timeout_request_read,
+            max_connections=args.max_connections, log_level=args.uvicorn_log_level)
     except ValueError as e:
         raise InputError(str(e)) from None
     try:

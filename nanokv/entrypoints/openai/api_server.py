@@ -28,6 +28,7 @@ try:
     from starlette.exceptions import HTTPException as StarletteHTTPException
     from starlette.requests import ClientDisconnect, Request
     from starlette.responses import Response
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError(f"nanokv serve needs the server extra ({e.name} is missing): "
                       "pip install 'nanokv[serve]'") from e
@@ -35,6 +36,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
 import nanokv
 from nanokv.async_llm import AsyncLLM
 from nanokv.config import EngineArgs
+from nanokv.entrypoints.openai.connections import connection_limits, guarded_protocol, listen_queue, raise_fd_limit
 from nanokv.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from nanokv.entrypoints.openai.protocol import APIError, bad_request, error_body
 from nanokv.entrypoints.openai.serving import OpenAIServing, json_response
@@ -227,11 +229,18 @@ class _Server(uvicorn.Server):
     """uvicorn's server, whose shutdown (it has stopped listening) first drains the engine:
     new requests get 503, unfinished ones are aborted after the grace period, so every
     client gets an answer (an error object, or an SSE error event and [DONE]) instead of
-    a cut connection."""
+    a cut connection. Its listening sockets queue BACKLOG connections whatever the
+    backlog asyncio accepts at a time (connections.py)."""
 
     def __init__(self, config, llm: AsyncLLM, grace: float):
         super().__init__(config)
         self._llm, self._grace = llm, grace
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        for server in getattr(self, "servers", []):
+            for sock in server.sockets:
+                listen_queue(sock.fileno())
 
     async def shutdown(self, sockets=None) -> None:
         self._llm.drain(self._grace)
@@ -256,6 +265,8 @@ def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
             raise _StopRequested
         server.should_exit = True  # a signal before uvicorn took over the handlers
 
+    # before the model loads: a descriptor limit too low to serve fails at once
+    max_connections, backlog = connection_limits(settings.max_connections, raise_fd_limit())
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         try:
@@ -266,9 +277,12 @@ def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
         llm = AsyncLLM(engine, max_waiting=settings.max_waiting)
         app = build_app(llm, settings)
         # uvicorn's own grace is a backstop: the app ends its requests after shutdown_timeout
+        protocol = guarded_protocol(AutoHTTPProtocol, max_connections, settings.timeout_request_read)
+        logger.info("at most %d connections; a request must arrive within %g s", max_connections,
+                    settings.timeout_request_read)
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                                 timeout_graceful_shutdown=settings.shutdown_timeout + 10, lifespan="on",
-                                timeout_keep_alive=settings.timeout_keep_alive)
+                                timeout_keep_alive=settings.timeout_keep_alive, http=protocol, backlog=backlog)
         server = _Server(config, llm, settings.shutdown_timeout)
         state["server"] = server
         try:

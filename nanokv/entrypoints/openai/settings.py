@@ -28,6 +28,10 @@ class ServerSettings:
     max_response_tokens: int = 2**19
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     timeout_keep_alive: float = 5.0  # seconds an idle keep-alive connection stays open (vLLM's, uvicorn's)
+    # seconds a request has to arrive whole (headers and body) from its first byte, or from
+    # the connection's opening; then the connection is closed (connections.py)
+    timeout_request_read: float = 30.0
+    max_connections: int | None = None  # None: as many as the file descriptor limit allows (connections.py)
     log_level: str = "info"  # uvicorn's
 
     def __post_init__(self) -> None:
