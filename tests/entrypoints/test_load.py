@@ -473,3 +473,37 @@ def test_silent_connections_neither_lock_clients_out_nor_stay_open(model_dir, tm
             sock.close()
         server.stop()
     assert "Traceback" not in server.read_log()
+
+
+def test_at_max_connections_the_oldest_idle_one_makes_room_else_503(model_dir, tmp_path):
+    server = Server(model_dir, "--served-model-name", "tiny", "--max-model-len", str(MAX_LEN),
+                    "--max-connections", "16", log_path=str(tmp_path / "server.log")).start()
+    # the app asks for the body (100 Continue) once it serves the request: then the connection is busy
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Expect: 100-continue\r\nContent-Length: 100\r\n\r\n")
+    socks: list[socket.socket] = []
+    try:
+        # 16 idle connections: a new one closes the oldest and is served
+        socks += [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(16)]
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        assert _read_until_closed(socks[0], 30) == b""
+        for sock in socks:
+            sock.close()
+        # 16 connections being served (their bodies still to come): a new one gets 503
+        socks = [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(16)]
+        for sock in socks:
+            sock.sendall(head)
+            assert sock.recv(100).startswith(b"HTTP/1.1 100 Continue")
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as extra:
+            # it sends nothing: a request the server never read would turn its close into a reset
+            answer = _read_until_closed(extra, 30)
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in answer.lower(), answer[:300]
+        assert b"--max-connections" in answer
+        for sock in socks:
+            sock.close()
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    finally:
+        for sock in socks:
+            sock.close()
+        server.stop()
+    assert "Traceback" not in server.read_log()
