@@ -3,6 +3,13 @@
 No Python loop over sequences: sequences of similar length form a group; each group
 gathers its pages through the block tables with one index op and runs one masked SDPA
 call. Groups keep padding (and so memory traffic) low when lengths differ widely.
+
+On quantized pages (int8, fp8) attention runs in float64 and rounds its output to the
+query's dtype. SDPA's sums run in an order that depends on the shapes of the step (how
+many queries, how padded), so a token's output moves by an ulp with the batch it is in;
+on a quantized cache that ulp, quantized into the next layer's K/V, can move a value by a
+whole int8 step and change the request's tokens with its prefix cached or its chunks cut
+elsewhere. In float64 the shapes' effect stays far below float32's rounding.
 """
 
 from __future__ import annotations
@@ -72,15 +79,17 @@ class TorchRefBackend(AttentionBackend):
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         gqa = q.shape[1] != num_kv_heads
         out = torch.empty_like(q)  # [T, Hq, D]
+        if k_scales is not None:  # float64 (module docstring), out in q's dtype
+            q = q.double()
         for g in meta.backend_state:
             keys, values = _gather(k_cache, g.block_tables), _gather(v_cache, g.block_tables)
             if k_scales is not None:  # the group's gathered pages only, never the whole pool
-                keys = dequantize_kv(keys, _gather(k_scales, g.block_tables)).to(q.dtype)
-                values = dequantize_kv(values, _gather(v_scales, g.block_tables)).to(q.dtype)
+                keys = dequantize_kv(keys, _gather(k_scales, g.block_tables)).double()
+                values = dequantize_kv(values, _gather(v_scales, g.block_tables)).double()
             if g.dest is None:  # decodes: one query per sequence
                 o = F.scaled_dot_product_attention(q[g.tokens].unsqueeze(2), keys, values, attn_mask=g.mask,
                                                    scale=scale, enable_gqa=gqa)  # [b, Hq, 1, D]
-                out[g.tokens] = o.squeeze(2)
+                out[g.tokens] = o.squeeze(2).to(out.dtype)
                 continue
             b = g.block_tables.shape[0]
             padded = q.new_zeros(b * g.max_query_len, q.shape[1], head_dim)
@@ -88,7 +97,7 @@ class TorchRefBackend(AttentionBackend):
             padded = padded.view(b, g.max_query_len, q.shape[1], head_dim).transpose(1, 2)
             o = F.scaled_dot_product_attention(padded, keys, values, attn_mask=g.mask,
                                                scale=scale, enable_gqa=gqa)  # [b, Hq, max_q, D]
-            out[g.tokens] = o.transpose(1, 2).reshape(-1, q.shape[1], head_dim)[g.dest]
+            out[g.tokens] = o.transpose(1, 2).reshape(-1, q.shape[1], head_dim)[g.dest].to(out.dtype)
         return out
 
 

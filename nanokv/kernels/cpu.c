@@ -709,16 +709,16 @@ static inline void widen_page(const char *page, const nk_half *pairs, const nk_h
     }
 }
 
-/* Scores of NK consecutive keys (rows ws floats apart from keys, heads from hb) for query
- * heads [h0 * G, h1 * G): s[(h - h0) * G + g][i] (rows L apart) = q . k_i, times scale when
- * not Q8 (int8 pages get their pairs later); NK rows' bytes of the next page (next, rb
- * bytes a row) prefetched, a share in each (head, query) iteration. One copy per NK. */
+/* Scores of NK consecutive float32 keys (rows row_stride floats apart) for query heads
+ * [h0 * G, h1 * G): s[(h - h0) * G + g][i] (rows L apart) = scale * q . k_i; NK rows' bytes
+ * of the next page (next, rb bytes a row) prefetched, a share in each (head, query)
+ * iteration. One copy per NK. */
 static inline __attribute__((always_inline)) void score_keys(
-        const float *q, const float *keys, long ws, long G, long D, long h0, long h1, long hb, const char *next,
-        long rb, float scale, float *s, long L, const int NK, const int Q8) {
+        const float *q, const float *keys, long ws, long G, long D, long h0, long h1, const char *next,
+        long rb, float scale, float *s, long L, const int NK) {
     long iters = (h1 - h0) * G, share = (NK * rb + 64 * iters - 1) / (64 * iters) * 64, done = 0;
     for (long h = h0; h < h1; h++) {
-        const float *k0 = keys + (h - hb) * D;
+        const float *k0 = keys + h * D;
         for (long g = 0; g < G; g++) {
             if (next && done < NK * rb) { /* this iteration's share of the next page */
                 long len = NK * rb - done < share ? NK * rb - done : share;
@@ -738,61 +738,60 @@ static inline __attribute__((always_inline)) void score_keys(
             } else {
                 for (int i = 0; i < NK; i++) sg[i] = hsum(a[i]);
             }
-            if (!Q8)
-                for (int i = 0; i < NK; i++) sg[i] *= scale;
+            for (int i = 0; i < NK; i++) sg[i] *= scale;
         }
     }
 }
 
-/* Scores of query heads [h0 * G, h1 * G) against the first L cached keys:
- * s[(h - h0) * G + g][t] = scale * q[h * G + g] . k_t[h] (k_t[h] = k_int8 * scale + zero when Q8).
- * Pages are read whole and in order (KV heads h0..h1 of a row are adjacent); the next
- * page is prefetched meanwhile. An int8 page is first widened into wide (widen_page, in
- * L1), so the G query heads of a KV head share one widening of each key. */
-static inline __attribute__((always_inline)) void scores_g(
-        const float *q, long G, long D, long h0, long h1, const void *kc, const nk_half *ks,
-        const int32_t *table, long L, long bs, long row_stride, float scale, float *s, float *wide, const int Q8) {
-    const long E = KV_ELEM(Q8), Hkv = row_stride / D, rb = row_stride * E; /* rb: bytes per cache row */
-    const long ws = Q8 ? (h1 - h0) * D : row_stride, hb = Q8 ? h0 : 0; /* floats per row read; its first head */
-    float qs[Q8 ? (h1 - h0) * G : 1]; /* sum of each query row, for the keys' zeros */
-    for (long r = 0; Q8 && r < (h1 - h0) * G; r++) qs[r] = scale * row_sum(q + (h0 * G + r) * D, D);
+/* Scores of query heads [h0 * G, h1 * G) against the first L cached float32 keys:
+ * s[(h - h0) * G + g][t] = scale * q[h * G + g] . k_t[h]. Pages are read whole and in order
+ * (KV heads h0..h1 of a row are adjacent); the next page is prefetched meanwhile. (int8
+ * pages: scores_q8, in the prefill tiles' arithmetic.) */
+static void scores_f32(const float *q, long G, long D, long h0, long h1, const float *kc, const int32_t *table,
+                       long L, long bs, long row_stride, float scale, float *s) {
+    const long rb = row_stride * 4; /* bytes per cache row */
     for (long t0 = 0; t0 < L; t0 += bs) {
-        const char *page = (const char *)kc + (long)table[t0 / bs] * bs * rb;
-        const nk_half *sc = Q8 ? ks + (long)table[t0 / bs] * bs * Hkv * 2 : 0; /* the page's pairs */
+        const float *rows = kc + (long)table[t0 / bs] * bs * row_stride;
         long n = L - t0 < bs ? L - t0 : bs;
-        const char *next = t0 + bs < L ? (const char *)kc + (long)table[t0 / bs + 1] * bs * rb : 0;
-        const float *rows = (const float *)page, *sf = wide + bs * row_stride, *zf = sf + bs * Hkv;
-        if (Q8) {
-            widen_page(page, sc, next ? ks + (long)table[t0 / bs + 1] * bs * Hkv * 2 : 0, n, rb, Hkv, h0, h1, D, bs,
-                       wide, (float *)sf, (float *)zf);
-            rows = wide;
-        }
+        const char *next = t0 + bs < L ? (const char *)(kc + (long)table[t0 / bs + 1] * bs * row_stride) : 0;
         long t = 0;
         for (; t + 8 <= n; t += 8) /* 8 keys at a time: 8 independent chains of FMAs */
-            score_keys(q, rows + t * ws, ws, G, D, h0, h1, hb, next ? next + t * rb : 0, rb, scale,
-                       s + t0 + t, L, 8, Q8);
+            score_keys(q, rows + t * row_stride, row_stride, G, D, h0, h1, next ? next + t * rb : 0, rb, scale,
+                       s + t0 + t, L, 8);
         for (; t + 4 <= n; t += 4)
-            score_keys(q, rows + t * ws, ws, G, D, h0, h1, hb, next ? next + t * rb : 0, rb, scale,
-                       s + t0 + t, L, 4, Q8);
+            score_keys(q, rows + t * row_stride, row_stride, G, D, h0, h1, next ? next + t * rb : 0, rb, scale,
+                       s + t0 + t, L, 4);
         for (; t < n; t++)
-            score_keys(q, rows + t * ws, ws, G, D, h0, h1, hb, 0, rb, scale, s + t0 + t, L, 1, Q8);
-        for (long r = 0; Q8 && r < (h1 - h0) * G; r++) { /* score = raw * scale * scale_k + qsum * zero_k */
-            float *sr = s + r * L + t0;
-            const float *f = sf + (r / G) * bs, *z = zf + (r / G) * bs;
-            vf vscale = splat(scale), vz = splat(qs[r]);
-            long j = 0;
-            for (; j + VW <= n; j += VW) storev(sr + j, loadv(sr + j) * (vscale * loadv(f + j)) + vz * loadv(z + j));
-            for (; j < n; j++) sr[j] = sr[j] * (scale * f[j]) + qs[r] * z[j];
-        }
+            score_keys(q, rows + t * row_stride, row_stride, G, D, h0, h1, 0, rb, scale, s + t0 + t, L, 1);
     }
+}
+
+/* An int8 score: a * f + z * qs, each product rounded on its own, then their sum. Left to
+ * itself the compiler fuses one product or the other into an FMA, and not the same one in
+ * every copy of a kernel; the tiles and the single queries must agree to the bit. */
+#if defined(__AVX512F__)
+#define OPAQUE(v) __asm__("" : "+v"(v))
+#elif defined(__SSE__)
+#define OPAQUE(v) __asm__("" : "+x"(v))
+#else
+#define OPAQUE(v) __asm__("" : "+m"(v))
+#endif
+static inline __attribute__((always_inline)) vf q8_score(vf a, vf f, vf z, vf qs) {
+    vf x = a * f, y = z * qs;
+    OPAQUE(x);
+    OPAQUE(y);
+    return x + y;
 }
 
 /* acc[(h - h0) * G + g] = sum_t p[(h - h0) * G + g][t] v_t[h] (v_t[h] = v_int8 * scale + zero
  * when Q8); a page (in L1 after its first pass) is read once from memory, the next one
- * prefetched meanwhile; an int8 page is widened first, as in scores_g. */
+ * prefetched meanwhile; an int8 page is widened first (widen_page). Q8 follows the prefill
+ * tiles' arithmetic (attend_tile_g): p unnormalized, each row's sum_t p_t zero_t one chain
+ * in key order, and (acc + that sum) * inv[row] at the end. */
 static inline __attribute__((always_inline)) void weighted_values_g(
         const float *s, long G, long D, long h0, long h1, const void *vc, const nk_half *vs,
-        const int32_t *table, long L, long bs, long row_stride, float *acc, float *wide, const int Q8) {
+        const int32_t *table, long L, long bs, long row_stride, float *acc, float *wide, const float *inv,
+        const int Q8) {
     const long E = KV_ELEM(Q8), Hkv = row_stride / D, rb = row_stride * E;
     const long ws = Q8 ? (h1 - h0) * D : row_stride, hb = Q8 ? h0 : 0;
     long rows = (h1 - h0) * G;
@@ -822,19 +821,15 @@ static inline __attribute__((always_inline)) void weighted_values_g(
             float pw[Q8 ? bs : 1]; /* int8: p_t * scale_t */
             if (Q8) {
                 const float *f = sf + (r / G) * bs, *z = zf + (r / G) * bs;
-                vf za = splat(0);
-                long j = 0;
-                for (; j + VW <= n; j += VW) {
-                    vf pv = loadv(sg + j);
-                    za += pv * loadv(z + j);
-                    storev(pw + j, pv * loadv(f + j));
-                }
-                float zsum = hsum(za);
-                for (; j < n; j++) {
-                    zsum += sg[j] * z[j];
+                float zsum = zs[r];
+                for (long j = 0; j < n; j++) {
+                    float pz = sg[j] * z[j];
+                    OPAQUE(pz); /* rounded, then added, as in the tiles (where and whether the
+                                 * compiler fuses a multiply-add into a chain depends on its tuning) */
+                    zsum += pz;
                     pw[j] = sg[j] * f[j];
                 }
-                zs[r] += zsum;
+                zs[r] = zsum;
                 sg = pw;
             }
             const float *vh = vals + (h0 + r / G - hb) * D;
@@ -864,8 +859,10 @@ static inline __attribute__((always_inline)) void weighted_values_g(
             if (pf < pf_end) prefetch_page(pf, pf_end - pf); /* what the reads did not cover */
         }
     }
-    for (long r = 0; Q8 && r < rows; r++)
-        for (long d = 0; d < D; d += VW) storev_part(acc + r * D + d, loadv_part(acc + r * D + d, D - d) + splat(zs[r]), D - d);
+    for (long r = 0; Q8 && r < rows; r++) {
+        vf f = splat(inv[r]), z = splat(zs[r]);
+        for (long d = 0; d < D; d += VW) storev_part(acc + r * D + d, (loadv_part(acc + r * D + d, D - d) + z) * f, D - d);
+    }
 }
 
 /* softmax of s[0, L) in place; returns 1 / sum */
@@ -973,7 +970,7 @@ static inline __attribute__((always_inline)) void score_block(const float *keys,
         vf f = splat(Q8 ? scale * (float)ksc[i * kss] : scale);
         if (Q8) {
             vf z = splat((float)ksc[i * kss + 1]);
-            for (int v = 0; v < NV; v++) storev(o + i * Rp + v * VW, a[i][v] * f + z * loadv(qsum + v * VW));
+            for (int v = 0; v < NV; v++) storev(o + i * Rp + v * VW, q8_score(a[i][v], f, z, loadv(qsum + v * VW)));
         } else {
             for (int v = 0; v < NV; v++) storev(o + i * Rp + v * VW, a[i][v] * f);
         }
@@ -1115,8 +1112,9 @@ static inline __attribute__((always_inline)) void attend_tile_g(
                 float *pj = s + (k0 + j0 + j) * Rp;
                 vf f = splat(vsf[j]), z = splat(vzf[j]);
                 for (long r0 = 0; r0 < Rp; r0 += VW) {
-                    vf pv = loadv(pj + r0);
-                    storev(zs + r0, loadv(zs + r0) + pv * z);
+                    vf pv = loadv(pj + r0), pz = pv * z;
+                    OPAQUE(pz); /* rounded, then added: as weighted_values_g's chain */
+                    storev(zs + r0, loadv(zs + r0) + pz);
                     storev(pj + r0, pv * f);
                 }
             }
@@ -1142,28 +1140,117 @@ static void attend_tile_q8(const float *q, const void *kc, const void *vc, const
     attend_tile_g(q, kc, vc, ks, vs, table, t0, n, c0, h, Hq, G, D, bs, row_stride, scale, out, s, qt, 1);
 }
 
-/* one decode query (heads h0..h1 of its KV heads) over its L cached tokens */
-static inline __attribute__((always_inline)) void attend_one_g(
-        const float *qt, const void *kc, const void *vc, const nk_half *ks, const nk_half *vs, const int32_t *table,
-        long L, long G, long D, long h0, long h1, long bs, long row_stride, float scale, float *s, float *ot,
-        float *wide, const int Q8) {
-    scores_g(qt, G, D, h0, h1, kc, ks, table, L, bs, row_stride, scale, s, wide, Q8);
+/* ---- one query alone (decodes, short prefill runs) ---------------------------------------
+ * float32 pages: dot products across the head dims in vector lanes, softmax normalized
+ * before the values. int8 pages: exactly the prefill tiles' arithmetic (attend_tile_g),
+ * so that a token's output has the same bits whether it runs alone or in a tile of any
+ * size. Its K/V in the later layers are quantized from that output, and a one-ulp
+ * difference there moves a value across a rounding boundary of the int8 step (1/254 of
+ * the head's range): the same request would give other tokens with its prefix cached, or
+ * with its chunks cut elsewhere. So, per (row, key), the dot product in order over d,
+ * times scale * key scale plus key zero * scale * sum(q); the softmax's sum in key order;
+ * the values' sums in key order, normalized at the end. */
+
+/* int8: o[i][j] (rows L apart, c of the 16 lanes kept) = score of query row i (qr, D apart)
+ * against the 16 keys of the transposed panel kt ([D][16]), f the keys' scale * scale_k,
+ * z their zeros, qsum the rows' scale * sum(q): the operations of score_block, keys and
+ * rows swapped (an FMA's product does not depend on its order) */
+static inline __attribute__((always_inline)) void key_panel_scores(const float *qr, long D, const float *kt,
+                                                                   const float *f, const float *z,
+                                                                   const float *qsum, float *o, long L, long c,
+                                                                   const int NB) {
+    vf a[KB][NV];
+    for (int i = 0; i < NB; i++)
+        for (int v = 0; v < NV; v++) a[i][v] = splat(0);
+    for (long d = 0; d < D; d++) {
+        vf wv[NV];
+        for (int v = 0; v < NV; v++) wv[v] = loadv(kt + d * 16 + v * VW);
+        for (int i = 0; i < NB; i++) {
+            vf b = splat(qr[i * D + d]);
+            for (int v = 0; v < NV; v++) a[i][v] += b * wv[v];
+        }
+    }
+    for (int i = 0; i < NB; i++) {
+        float row[16];
+        vf qs = splat(qsum[i]);
+        for (int v = 0; v < NV; v++) storev(row + v * VW, q8_score(a[i][v], loadv(f + v * VW), loadv(z + v * VW), qs));
+        memcpy(o + i * L, row, sizeof(float) * c);
+    }
+}
+
+/* int8: s[(h - h0) * G + g][t] (rows L apart) = the scores of query heads [h0 * G, h1 * G)
+ * against the first L cached keys, as the tiles compute them; 16 keys of a KV head at a
+ * time are widened and transposed (pack_rows) into lanes, the query rows broadcast */
+static void scores_q8(const float *q, long G, long D, long h0, long h1, const int8_t *kc, const nk_half *ks,
+                      const int32_t *table, long L, long bs, long row_stride, float scale, float *s) {
+    const long Hkv = row_stride / D;
+    float kf[16 * D], kt[16 * D], qsum[G], f[16], z[16];
+    for (long h = h0; h < h1; h++) {
+        const float *qh = q + h * G * D;
+        float *sh = s + (h - h0) * G * L;
+        for (long r = 0; r < G; r++) qsum[r] = scale * row_sum(qh + r * D, D);
+        for (long k0 = 0; k0 < L; k0 += bs) {
+            long nk = L - k0 < bs ? L - k0 : bs, first = (long)table[k0 / bs] * bs; /* the page's first slot */
+            const int8_t *page = kc + first * row_stride + h * D;
+            const nk_half *pairs = ks + (first * Hkv + h) * 2;
+            for (long j0 = 0; j0 < nk; j0 += 16) {
+                long c = nk - j0 < 16 ? nk - j0 : 16;
+                const float *rows[16];
+                for (long i = 0; i < 16; i++) {
+                    f[i] = i < c ? scale * (float)pairs[(j0 + i) * 2 * Hkv] : 0;
+                    z[i] = i < c ? (float)pairs[(j0 + i) * 2 * Hkv + 1] : 0;
+                }
+                for (long i = 0; i < c; i++) {
+                    for (long d = 0; d < D; d += 8)
+                        store8(kf + i * D + d, widen8((const char *)(page + (j0 + i) * row_stride + d)));
+                    rows[i] = kf + i * D;
+                }
+                pack_rows(rows, c, D, kt);
+                for (long r0 = 0; r0 < G; r0 += KB) {
+#define KEY_PANEL(NB) key_panel_scores(qh + r0 * D, D, kt, f, z, qsum + r0, sh + r0 * L + k0 + j0, L, c, NB)
+                    SPECIALIZE(G - r0, KEY_PANEL)
+#undef KEY_PANEL
+                }
+            }
+        }
+    }
+}
+
+/* s[0, L) <- exp(s - max) in place, as the tiles' softmax computes it (exp_any on every
+ * key); returns 1 / their sum, taken in key order */
+static float softmax_in_order(float *s, long L) {
+    float mx = -INFINITY, sum = 0;
+    for (long t = 0; t < L; t++) mx = s[t] > mx ? s[t] : mx;
+    for (long t = 0; t < L; t += VW) {
+        long n = L - t < VW ? L - t : VW;
+        float x[VW] = {0};
+        memcpy(x, s + t, sizeof(float) * n);
+        storev(x, exp_any(loadv(x) - splat(mx)));
+        memcpy(s + t, x, sizeof(float) * n);
+    }
+    for (long t = 0; t < L; t++) sum += s[t];
+    return 1.0f / sum;
+}
+
+/* one query (heads h0..h1 of its KV heads) over its L cached tokens */
+static void attend_one_f32(const float *qt, const void *kc, const void *vc, const int32_t *table, long L, long G,
+                           long D, long h0, long h1, long bs, long row_stride, float scale, float *s, float *ot) {
+    scores_f32(qt, G, D, h0, h1, kc, table, L, bs, row_stride, scale, s);
     for (long r = 0; r < (h1 - h0) * G; r++) {
         float inv = softmax_row(s + r * L, L);
         for (long j = 0; j < L; j++) s[r * L + j] *= inv;
     }
-    weighted_values_g(s, G, D, h0, h1, vc, vs, table, L, bs, row_stride, ot, wide, Q8);
-}
-
-static void attend_one_f32(const float *qt, const void *kc, const void *vc, const int32_t *table, long L, long G,
-                           long D, long h0, long h1, long bs, long row_stride, float scale, float *s, float *ot) {
-    attend_one_g(qt, kc, vc, 0, 0, table, L, G, D, h0, h1, bs, row_stride, scale, s, ot, 0, 0);
+    weighted_values_g(s, G, D, h0, h1, vc, 0, table, L, bs, row_stride, ot, 0, 0, 0);
 }
 
 static void attend_one_q8(const float *qt, const void *kc, const void *vc, const nk_half *ks, const nk_half *vs,
                           const int32_t *table, long L, long G, long D, long h0, long h1, long bs, long row_stride,
                           float scale, float *s, float *ot, float *wide) {
-    attend_one_g(qt, kc, vc, ks, vs, table, L, G, D, h0, h1, bs, row_stride, scale, s, ot, wide, 1);
+    long rows = (h1 - h0) * G;
+    float inv[rows];
+    scores_q8(qt, G, D, h0, h1, kc, ks, table, L, bs, row_stride, scale, s);
+    for (long r = 0; r < rows; r++) inv[r] = softmax_in_order(s + r * L, L);
+    weighted_values_g(s, G, D, h0, h1, vc, vs, table, L, bs, row_stride, ot, wide, inv, 1);
 }
 
 /* Paged attention, one query token per row: query t (q [T, Hq, D]) belongs to the

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nanokv import LLM, SamplingParams, kernels
-from nanokv.attention.base import dequantize_kv, quantize_kv, store_kv
+from nanokv.attention.base import AttentionMetadata, dequantize_kv, quantize_kv, store_kv
 from nanokv.attention.cpu_backend import CpuBackend
 from nanokv.attention.torch_ref import TorchRefBackend
 from nanokv.runner.kv_cache import bytes_per_token
@@ -127,15 +127,15 @@ def run_int8(backend, batch, q, k, v, cache, scales):
 
 
 def dequantized_oracle(batch, q, k, v, cache, scales):
-    """The same step on a float32 pool holding the dequantized pages, with this step's k, v
-    rounded through the quantizer: what every int8 backend must compute."""
+    """The same step on a float64 pool holding the dequantized pages, with this step's k, v
+    rounded through the quantizer: what every int8 backend must compute (float32 [T, Hq, D])."""
     cache, scales = cache.clone(), scales.clone()
     store_kv(k, v, cache[0], cache[1], batch.meta.slot_mapping, scales[0], scales[1])
-    pool = dequantize_kv(cache, scales)
+    pool = dequantize_kv(cache, scales).double()
     ref = TorchRefBackend()
     ref.prepare(batch.meta, batch.block_size)
     kd, vd = (pool[i].view(-1, *pool.shape[3:])[batch.meta.slot_mapping] for i in (0, 1))
-    return ref.forward(q, kd, vd, pool[0], pool[1], batch.meta, q.shape[-1] ** -0.5)
+    return ref.forward(q.double(), kd, vd, pool[0], pool[1], batch.meta, q.shape[-1] ** -0.5).float()
 
 
 def test_torch_ref_on_int8_pages_equals_attention_over_the_dequantized_pool():
@@ -193,6 +193,102 @@ def test_triton_on_int8_pages_matches_torch_ref(case, num_splits):
         t.to(device) for t in (q, k, v, cache, scales)))
     assert torch.equal(got_cache.cpu(), want_cache) and torch.equal(got_scales.cpu(), want_scales)
     torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
+
+
+# ---- a token's attention does not depend on the batch it runs in ----------------------------
+# On int8 pages a one-ulp difference in a token's attention output can move a value of the
+# next layer's K/V across a rounding boundary of its int8 step (1/254 of the head's range):
+# the same request then gives other tokens warm (prefix cached: the rest of the prompt runs
+# alone or in a shorter chunk) than cold. So every query's output must be the same bits
+# however the step around it is cut: a decode, alone, in a prefill chunk of any length.
+
+def _step_meta(steps, tables, block_size):
+    """AttentionMetadata of one step: steps lists (sequence, first position, query length),
+    decodes (length 1) first."""
+    steps = sorted(steps, key=lambda st: st[2] != 1)
+    q_lens = [n for _, _, n in steps]
+    seq_lens = [p + n for _, p, n in steps]
+    slots = [tables[i][t // block_size] * block_size + t % block_size for i, p, n in steps for t in range(p, p + n)]
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    return steps, AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(cu, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([tables[i] for i, _, _ in steps], dtype=torch.int32),
+        num_decodes=q_lens.count(1), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        query_lens_cpu=q_lens, seq_lens_cpu=seq_lens)
+
+
+def _attend_in_steps(backend, cuts, length, num_q_heads, num_kv_heads, head_dim, block_size):
+    """Two sequences of `length` tokens written into int8 pages and attended over step by
+    step, each step running a chunk of each as cuts (chunk lengths, summing to length)
+    gives -> outputs [2, length, Hq, D]. The same q, k, v whatever the cuts."""
+    g = torch.Generator().manual_seed(7)
+    per_seq = -(-length // block_size)
+    order = torch.randperm(2 * per_seq + 1, generator=g).tolist()
+    tables = [order[:per_seq], order[per_seq:2 * per_seq]]
+    q = torch.randn(2, length, num_q_heads, head_dim, generator=g)
+    k = torch.randn(2, length, num_kv_heads, head_dim, generator=g) * 2 + torch.randn(2, length, num_kv_heads, 1,
+                                                                                      generator=g)
+    v = torch.randn(2, length, num_kv_heads, head_dim, generator=g) - 0.5
+    cache = torch.zeros(2, 2 * per_seq + 1, block_size, num_kv_heads, head_dim, dtype=torch.int8)
+    scales = torch.zeros(*cache.shape[:-1], 2, dtype=torch.float16)
+    out = torch.zeros_like(q)
+    pos = [0, 0]
+    for i, n in enumerate(cuts):
+        # the second sequence runs its chunks in the other order: decodes beside prefills
+        n2 = cuts[len(cuts) - 1 - i]
+        steps, meta = _step_meta([(0, pos[0], n), (1, pos[1], n2)], tables, block_size)
+        backend.prepare(meta, block_size)
+        q_k_v = (torch.cat([x[s, p:p + m] for s, p, m in steps]) for x in (q, k, v))
+        o = backend.forward(*q_k_v, cache[0], cache[1], meta, head_dim ** -0.5, scales[0], scales[1])
+        start = 0
+        for s, p, m in steps:
+            out[s, p:p + m] = o[start:start + m]
+            start += m
+        pos[0] += n
+        pos[1] += n2
+    return out
+
+
+def _cuts(length, first, size):
+    cuts = [first] if first else []
+    while sum(cuts) < length:
+        cuts.append(min(size, length - sum(cuts)))
+    return cuts
+
+
+INVARIANCE_CASES = {  # (Hq, Hkv, D, block_size)
+    "gqa3-d64-bs16": (9, 3, 64, 16),  # SmolLM2's heads
+    "gqa2-d32-bs5": (6, 2, 32, 5),
+    "mha-d16-bs8": (4, 4, 16, 8),
+    "mqa-d24-bs3": (4, 1, 24, 3),
+    "gqa8-d64-bs7": (16, 2, 64, 7),
+}
+
+
+def _invariance_backends():
+    out = [pytest.param(("cpu", w), id=f"cpu-width{w}", marks=needs_kernels) for w in kernels.build.WIDTHS]
+    return out + [pytest.param(("torch", None), id="torch")]
+
+
+@pytest.mark.parametrize("backend", _invariance_backends())
+@pytest.mark.parametrize("case", list(INVARIANCE_CASES))
+def test_int8_attention_output_does_not_depend_on_how_the_steps_are_cut(case, backend, monkeypatch):
+    """Every token as a decode (one query a step), against the whole prompt in one step,
+    in chunks of 2, 3, 7 and 16 from several first lengths (a cached prefix, a chunk
+    boundary): the same bits for every token."""
+    name, width = backend
+    if width is not None:
+        monkeypatch.setenv("NANOKV_CPU_WIDTH", str(width))
+    make = {"cpu": CpuBackend, "torch": TorchRefBackend}[name]
+    length = 45
+    want = _attend_in_steps(make(), [1] * length, length, *INVARIANCE_CASES[case])
+    for cuts in ([length], _cuts(length, 0, 2), _cuts(length, 0, 3), _cuts(length, 5, 7), _cuts(length, 32, 16),
+                 _cuts(length, 13, 16), _cuts(length, 44, 1)):
+        got = _attend_in_steps(make(), cuts, length, *INVARIANCE_CASES[case])
+        assert torch.equal(got, want), (cuts, (got - want).abs().amax((2, 3)).nonzero().tolist())
 
 
 # ---- engine arguments and pool sizing -------------------------------------------------------
@@ -329,6 +425,42 @@ def test_preemption_on_int8_pages_gives_the_same_tokens(model_dir, backend):
     assert tight.kv_stats().num_preemptions > 0
 
 
+def _tokens_and_logprobs(llm, prompts, max_tokens=40):
+    """Greedy tokens and their summed logprobs (float bits: a difference anywhere in the
+    step shows here long before it flips a token of a tiny model)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)
+            for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int8_outputs_do_not_depend_on_prefix_hits_or_chunk_boundaries(checkpoint, backend):
+    """The same requests cold (no prefix cache, whole prompts in one step), warm (their own
+    prefixes cached, or a shared prefix another request cached: the rest runs alone or in a
+    short chunk), and prefilled in chunks of 5 and 19 tokens with and without the prefix
+    cache: the same tokens and the same logprobs to the bit."""
+    if backend == "torch" and not kernels.available():
+        pytest.skip("torch's own GEMMs round a row differently with the number of rows in the batch")
+    model_dir = checkpoint("qwen3-tiny", num_hidden_layers=4)
+    kw = dict(attention_backend=backend, kv_cache_dtype="int8", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    cold = LLM(model_dir, enable_prefix_caching=False, **kw)
+    shared = prompts_for(cold, [48], seed=6)[0]  # three whole blocks
+    prompts = [shared + tail for tail in prompts_for(cold, [1, 2, 3, 5, 20, 0], seed=7)]
+    prompts += prompts_for(cold, [7, 33, 70], seed=8)
+    want = _tokens_and_logprobs(cold, prompts)
+    warm = LLM(model_dir, **kw)
+    assert _tokens_and_logprobs(warm, prompts[5:6]) == want[5:6]  # caches the shared prefix only
+    assert _tokens_and_logprobs(warm, prompts) == want  # hits on another request's blocks
+    assert _tokens_and_logprobs(warm, prompts) == want  # hits on their own blocks
+    assert warm.kv_stats().prefix_hit_tokens >= 2 * 6 * 48
+    for budget in (5, 19):
+        for caching in (False, True):
+            chunked = LLM(model_dir, max_num_batched_tokens=budget, enable_prefix_caching=caching, **kw)
+            assert _tokens_and_logprobs(chunked, prompts) == want, (budget, caching)
+            if caching:
+                assert _tokens_and_logprobs(chunked, prompts) == want, (budget, "warm")
+
+
 @pytest.mark.skipif(not INTERPRET, reason="the end-to-end interpreter run stands in for CUDA here")
 def test_triton_int8_end_to_end_matches_torch_int8(model_dir):
     pytest.importorskip("triton")
@@ -351,3 +483,55 @@ def test_scoring_prefill_reads_the_int8_pages(model_dir):
     diff = (ref - q8).abs()
     assert diff.max() > 1e-4  # float32 runs of one engine differ by ~1e-6 at most
     assert diff.mean() < 0.02 * ref.std()  # ... and int8 is close: a slight error, not garbage
+
+
+# ---- on the real weights ------------------------------------------------------------------
+
+def _smollm2_missing() -> str | None:
+    import importlib.util
+
+    from nanokv import gguf as nk_gguf
+
+    if importlib.util.find_spec("gguf") is None:
+        return "gguf is not installed: pip install gguf"
+    try:
+        nk_gguf.resolve_model("smollm2")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+CHAT_QUESTIONS = [
+    "What is the capital of France?", "Name three primary colors.", "Write a haiku about the ocean.",
+    "Explain what a prime number is in one sentence.", "What is 12 times 7?",
+    "Give me one tip for sleeping better.", "Translate 'good morning' into Spanish.",
+    "Who wrote Romeo and Juliet?", "Why is the sky blue?", "List two uses of copper.",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_smollm2_missing() is not None, reason=f"SmolLM2: {_smollm2_missing()}")
+def test_smollm2_int8_chat_answers_are_the_same_warm_cold_and_chunked(tmp_path, monkeypatch):
+    """SmolLM2-135M on int8 pages, 10 chat prompts, 48 greedy tokens: asked again (every
+    prompt's full blocks cached; the rest, a few tokens, runs alone) and prefilled 16 tokens
+    a step, the same tokens and logprobs as the first, cold run (2 of 10 differed warm)."""
+    from nanokv import gguf as nk_gguf
+
+    monkeypatch.setattr(nk_gguf, "cache_dir", lambda: tmp_path)  # the derived config and tokenizer
+    kw = dict(kv_cache_dtype="int8", kv_cache_memory_bytes=64 << 20, max_model_len=1024)
+    conversations = [[{"role": "user", "content": q}] for q in CHAT_QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=48, logprobs=0)
+
+    def answers(llm):
+        return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)
+                for o in llm.chat(conversations, params, use_tqdm=False)]
+
+    llm = LLM("smollm2", **kw)
+    cold = answers(llm)
+    hits = llm.kv_stats().prefix_hit_tokens
+    assert answers(llm) == cold
+    assert llm.kv_stats().prefix_hit_tokens - hits >= 10 * 16
+    llm.close()
+    chunked = LLM("smollm2", max_num_batched_tokens=16, enable_prefix_caching=False, **kw)
+    assert answers(chunked) == cold
+    chunked.close()
