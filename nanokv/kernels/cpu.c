@@ -771,9 +771,9 @@ static void scores_f32(const float *q, long G, long D, long h0, long h1, const f
  * every copy of a kernel; the tiles and the single queries must agree to the bit. */
 #if defined(__AVX512F__)
 #define OPAQUE(v) __asm__("" : "+v"(v))
-#elif defined(__SSE__)
+#elif defined(__AVX__) && VW == 8
 #define OPAQUE(v) __asm__("" : "+x"(v))
-#else
+#else /* a vector wider than the registers: through memory */
 #define OPAQUE(v) __asm__("" : "+m"(v))
 #endif
 static inline __attribute__((always_inline)) vf q8_score(vf a, vf f, vf z, vf qs) {
@@ -781,6 +781,22 @@ static inline __attribute__((always_inline)) vf q8_score(vf a, vf f, vf z, vf qs
     OPAQUE(x);
     OPAQUE(y);
     return x + y;
+}
+
+/* a + b * c for the int8 kernels' running sums: one FMA where the machine has them, else a
+ * product rounded and then added; never left to the compiler, which contracts a += b * c
+ * or not by its tuning and the shape of the loop around it (GCC's znver tuning keeps
+ * 256-bit chains in single-block loops unfused), so two kernels could round one sum two ways */
+static inline __attribute__((always_inline)) vf fmadd(vf b, vf c, vf a) {
+#if VW == 16 && defined(__AVX512F__) && !defined(NK_PORTABLE)
+    return (vf)_mm512_fmadd_ps((__m512)b, (__m512)c, (__m512)a);
+#elif VW == 8 && defined(__AVX2__) && defined(__FMA__) && !defined(NK_PORTABLE)
+    return (vf)_mm256_fmadd_ps((__m256)b, (__m256)c, (__m256)a);
+#else
+    vf p = b * c;
+    OPAQUE(p);
+    return a + p;
+#endif
 }
 
 /* acc[(h - h0) * G + g] = sum_t p[(h - h0) * G + g][t] v_t[h] (v_t[h] = v_int8 * scale + zero
@@ -846,6 +862,13 @@ static inline __attribute__((always_inline)) void weighted_values_g(
                         pf += 64;
                     }
                     vf p = splat(sg[j]);
+                    if (Q8) {
+                        a0 = fmadd(p, loadv_part(vr, w), a0);
+                        if (w > VW) a1 = fmadd(p, loadv_part(vr + VW, w - VW), a1);
+                        if (w > 2 * VW) a2 = fmadd(p, loadv_part(vr + 2 * VW, w - 2 * VW), a2);
+                        if (w > 3 * VW) a3 = fmadd(p, loadv_part(vr + 3 * VW, w - 3 * VW), a3);
+                        continue;
+                    }
                     a0 += p * loadv_part(vr, w);
                     if (w > VW) a1 += p * loadv_part(vr + VW, w - VW);
                     if (w > 2 * VW) a2 += p * loadv_part(vr + 2 * VW, w - 2 * VW);
@@ -963,7 +986,7 @@ static inline __attribute__((always_inline)) void score_block(const float *keys,
         for (int v = 0; v < NV; v++) wv[v] = loadv(w + d * 16 + v * VW);
         for (int i = 0; i < NB; i++) {
             vf b = splat(keys[i * row_stride + d]);
-            for (int v = 0; v < NV; v++) a[i][v] += b * wv[v];
+            for (int v = 0; v < NV; v++) a[i][v] = Q8 ? fmadd(b, wv[v], a[i][v]) : a[i][v] + b * wv[v];
         }
     }
     for (int i = 0; i < NB; i++) {
@@ -1009,7 +1032,7 @@ static inline __attribute__((always_inline)) void page_scores(const char *keys, 
  * compiles alone. */
 static inline __attribute__((always_inline)) void value_block(const float *p, long Rp, const float *vals, long nk,
                                                               long row_stride, float *const *orow, int first,
-                                                              long d0, const int DIMS, const int NB) {
+                                                              long d0, const int DIMS, const int NB, const int Q8) {
     const int VECS = (DIMS + VW - 1) / VW; /* vectors over the dims, the last one perhaps half used */
     vf a[KB][NV];
     for (int i = 0; i < NB; i++)
@@ -1021,7 +1044,7 @@ static inline __attribute__((always_inline)) void value_block(const float *p, lo
         for (int v = 0; v < VECS; v++) wv[v] = loadv_part(vr + v * VW, DIMS - v * VW);
         for (int i = 0; i < NB; i++) {
             vf b = splat(pj[i]);
-            for (int v = 0; v < VECS; v++) a[i][v] += b * wv[v];
+            for (int v = 0; v < VECS; v++) a[i][v] = Q8 ? fmadd(b, wv[v], a[i][v]) : a[i][v] + b * wv[v];
         }
     }
     for (int i = 0; i < NB; i++)
@@ -1029,13 +1052,14 @@ static inline __attribute__((always_inline)) void value_block(const float *p, lo
 }
 
 /* out rows [0, R) += P V over nk value rows (float32, row_stride floats apart), p: P^T at the
- * first of them, stride Rp */
-static void values_rows(const float *p, long Rp, long R, const float *vals, long nk, long row_stride,
-                        float *const *orow, int first, long D) {
+ * first of them, stride Rp; Q8: the sums through fmadd (widened int8 values) */
+static inline __attribute__((always_inline)) void values_rows_g(const float *p, long Rp, long R, const float *vals,
+                                                                 long nk, long row_stride, float *const *orow,
+                                                                 int first, long D, const int Q8) {
     for (long r0 = 0; r0 < R; r0 += KB)
         for (long d0 = 0; d0 < D; d0 += 16) {
-#define VALUE_BLOCK_16(NB) value_block(p + r0, Rp, vals, nk, row_stride, orow + r0, first, d0, 16, NB)
-#define VALUE_BLOCK_8(NB) value_block(p + r0, Rp, vals, nk, row_stride, orow + r0, first, d0, 8, NB)
+#define VALUE_BLOCK_16(NB) value_block(p + r0, Rp, vals, nk, row_stride, orow + r0, first, d0, 16, NB, Q8)
+#define VALUE_BLOCK_8(NB) value_block(p + r0, Rp, vals, nk, row_stride, orow + r0, first, d0, 8, NB, Q8)
             if (D - d0 >= 16) {
                 SPECIALIZE(R - r0, VALUE_BLOCK_16)
             } else {
@@ -1044,6 +1068,16 @@ static void values_rows(const float *p, long Rp, long R, const float *vals, long
 #undef VALUE_BLOCK_16
 #undef VALUE_BLOCK_8
         }
+}
+
+static void values_rows(const float *p, long Rp, long R, const float *vals, long nk, long row_stride,
+                        float *const *orow, int first, long D) {
+    values_rows_g(p, Rp, R, vals, nk, row_stride, orow, first, D, 0);
+}
+
+static void values_rows_q8(const float *p, long Rp, long R, const float *vals, long nk, long row_stride,
+                           float *const *orow, int first, long D) {
+    values_rows_g(p, Rp, R, vals, nk, row_stride, orow, first, D, 1);
 }
 
 /* one prefill tile (queries t0..t0+n-1, contexts c0..c0+n-1) against KV head h;
@@ -1118,7 +1152,7 @@ static inline __attribute__((always_inline)) void attend_tile_g(
                     storev(pj + r0, pv * f);
                 }
             }
-            values_rows(s + (k0 + j0) * Rp, Rp, R, vf_, c, D, orow, k0 == 0 && j0 == 0, D);
+            values_rows_q8(s + (k0 + j0) * Rp, Rp, R, vf_, c, D, orow, k0 == 0 && j0 == 0, D);
         }
     }
     for (long r = 0; r < R; r++) {
@@ -1167,7 +1201,7 @@ static inline __attribute__((always_inline)) void key_panel_scores(const float *
         for (int v = 0; v < NV; v++) wv[v] = loadv(kt + d * 16 + v * VW);
         for (int i = 0; i < NB; i++) {
             vf b = splat(qr[i * D + d]);
-            for (int v = 0; v < NV; v++) a[i][v] += b * wv[v];
+            for (int v = 0; v < NV; v++) a[i][v] = fmadd(b, wv[v], a[i][v]);
         }
     }
     for (int i = 0; i < NB; i++) {
