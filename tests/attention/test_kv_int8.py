@@ -291,6 +291,20 @@ def test_int8_attention_output_does_not_depend_on_how_the_steps_are_cut(case, ba
         assert torch.equal(got, want), (cuts, (got - want).abs().amax((2, 3)).nonzero().tolist())
 
 
+@pytest.mark.skipif(not INTERPRET, reason="compiled Triton kernels (CUDA) choose split-KV and tiles by the batch: "
+                    "not promised there (README)")
+@pytest.mark.parametrize("case", ["gqa3-d64-bs16", "mqa-d24-bs3"])
+def test_triton_int8_attention_in_the_interpreter_does_not_depend_on_how_the_steps_are_cut(case):
+    pytest.importorskip("triton")
+    from nanokv.attention.triton_backend import TritonBackend
+
+    length = 45
+    want = _attend_in_steps(TritonBackend(), [1] * length, length, *INVARIANCE_CASES[case])
+    for cuts in ([length], _cuts(length, 5, 7), _cuts(length, 32, 16)):
+        got = _attend_in_steps(TritonBackend(), cuts, length, *INVARIANCE_CASES[case])
+        assert torch.equal(got, want), cuts
+
+
 # ---- engine arguments and pool sizing -------------------------------------------------------
 
 def test_fp8_on_the_cpu_is_refused_naming_int8(model_dir):
