@@ -475,25 +475,56 @@ def test_silent_connections_neither_lock_clients_out_nor_stay_open(model_dir, tm
     assert "Traceback" not in server.read_log()
 
 
-def test_at_max_connections_the_oldest_idle_one_makes_room_else_503(model_dir, tmp_path):
+def test_at_max_connections_an_idle_or_stalled_one_makes_room(model_dir, tmp_path):
+    """At the cap a new connection closes the oldest one not being served and is served:
+    one that sent nothing, and one that sent its headers but not all of its body (the
+    app waits on the client: 16 such trickling uploads held every slot, /health got 503)."""
     server = Server(model_dir, "--served-model-name", "tiny", "--max-model-len", str(MAX_LEN),
                     "--max-connections", "16", log_path=str(tmp_path / "server.log")).start()
-    # the app asks for the body (100 Continue) once it serves the request: then the connection is busy
+    # the app asks for the body (100 Continue) once it reads the request: its headers arrived
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Expect: 100-continue\r\nContent-Length: 100\r\n\r\n")
+            b"Expect: 100-continue\r\nContent-Length: 100000\r\n\r\n")
     socks: list[socket.socket] = []
     try:
-        # 16 idle connections: a new one closes the oldest and is served
         socks += [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(16)]
         assert httpx.get(server.url + "/health", timeout=30).status_code == 200
         assert _read_until_closed(socks[0], 30) == b""
         for sock in socks:
             sock.close()
-        # 16 connections being served (their bodies still to come): a new one gets 503
         socks = [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(16)]
         for sock in socks:
             sock.sendall(head)
             assert sock.recv(100).startswith(b"HTTP/1.1 100 Continue")
+            sock.sendall(b'{"model": "tiny", ')
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        assert _read_until_closed(socks[0], 30) == b""  # the oldest upload made room
+        for sock in socks:
+            sock.close()
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    finally:
+        for sock in socks:
+            sock.close()
+        server.stop()
+    assert "Traceback" not in server.read_log()
+
+
+def test_at_max_connections_when_every_one_is_being_served_a_new_one_gets_503(checkpoint, tmp_path):
+    # 16 streams of up to 16k tokens each, never read past their first event: they cannot
+    # end while the test runs, so each connection is being served
+    long_len = 16384
+    server = Server(checkpoint("qwen3-tiny", max_position_embeddings=long_len), "--served-model-name", "tiny",
+                    "--max-model-len", str(long_len), "--kv-cache-memory-bytes", str(128 << 20),
+                    "--max-connections", "16", "--shutdown-timeout", "0", log_path=str(tmp_path / "server.log")).start()
+    body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": None, "ignore_eos": True,
+                       "stream": True}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(16):
+            socks.append(socket.create_connection(("127.0.0.1", server.port), timeout=30))
+            socks[-1].sendall(request)
+            assert socks[-1].recv(100).startswith(b"HTTP/1.1 200 ")
         with socket.create_connection(("127.0.0.1", server.port), timeout=30) as extra:
             # it sends nothing: a request the server never read would turn its close into a reset
             answer = _read_until_closed(extra, 30)
@@ -501,6 +532,9 @@ def test_at_max_connections_the_oldest_idle_one_makes_room_else_503(model_dir, t
         assert b"--max-connections" in answer
         for sock in socks:
             sock.close()
+        deadline = time.monotonic() + 60  # the closed streams are aborted, their slots freed
+        while httpx.get(server.url + "/health", timeout=30).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert httpx.get(server.url + "/health", timeout=30).status_code == 200
     finally:
         for sock in socks:

@@ -10,9 +10,11 @@ failed, and every client, /health included, was locked out. So:
   connections are capped below it: the limit less the descriptors already open, less
   FD_RESERVE for what the engine and the logs open (checked before the model loads, so
   that a limit too low fails at once).
-- At the cap, a new connection closes the oldest one that is not being served (it has not
-  sent a whole request yet, or sits idle between requests); when every connection is
-  being served, the new one gets 503 and is closed.
+- At the cap, a new connection closes the oldest one that is not being served: first
+  those with no request under way (nothing sent yet, half the headers, or idle between
+  requests), then those whose body is still arriving (the app waits on the client, so a
+  client that sends headers and a trickle of body cannot hold the slots); when every
+  connection is being served, the new one gets 503 and is closed.
 - From its first byte (or from the connection's opening) a request has
   `timeout_request_read` seconds to arrive whole, headers and body; then the connection
   is closed (408 when its headers never completed).
@@ -104,9 +106,11 @@ def _raw_response(status: int, reason: str, message: str, headers: str = "") -> 
 
 def guarded_protocol(base: type[asyncio.Protocol], max_connections: int, read_timeout: float) -> type:
     """`base` (a uvicorn HTTP protocol class) with the read deadline and the connection cap."""
-    # connections not being served (no request yet, one half arrived, or idle after a
-    # response), oldest first: the ones a new connection may close at the cap
-    unserved: collections.OrderedDict = collections.OrderedDict()
+    # connections not being served, oldest first: the ones a new connection may close at
+    # the cap. idle: no request under way (none yet, its headers still arriving, or idle
+    # after a response); arriving: the headers came, the body is still coming
+    idle: collections.OrderedDict = collections.OrderedDict()
+    arriving: collections.OrderedDict = collections.OrderedDict()
     timed_out = _raw_response(408, "Request Timeout", f"the request did not arrive whole within {read_timeout:g} s "
                               "(--timeout-request-read); send it again")
     full = _raw_response(503, "Service Unavailable", f"the server is at its {max_connections} connections "
@@ -122,7 +126,7 @@ def guarded_protocol(base: type[asyncio.Protocol], max_connections: int, read_ti
                 transport.write(full)
                 transport.close()
                 return
-            unserved[self] = None
+            idle[self] = None
             self._arm()
 
         def data_received(self, data: bytes) -> None:
@@ -137,7 +141,8 @@ def guarded_protocol(base: type[asyncio.Protocol], max_connections: int, read_ti
             self._track()
 
         def connection_lost(self, exc) -> None:
-            unserved.pop(self, None)
+            idle.pop(self, None)
+            arriving.pop(self, None)
             self._disarm()
             super().connection_lost(exc)
 
@@ -150,18 +155,24 @@ def guarded_protocol(base: type[asyncio.Protocol], max_connections: int, read_ti
                     self._whole = cycle
                     self._disarm()
             if cycle is not None and not cycle.response_complete:
-                unserved.pop(self, None)
+                idle.pop(self, None)
+                if cycle is self._whole:
+                    arriving.pop(self, None)
+                elif self not in arriving and not self.transport.is_closing():
+                    arriving[self] = None
             elif not self.transport.is_closing():
-                unserved[self] = None
-                unserved.move_to_end(self)
+                arriving.pop(self, None)
+                idle[self] = None
+                idle.move_to_end(self)
 
         def _make_room(self) -> bool:
-            while unserved:
-                oldest, _ = unserved.popitem(last=False)
-                if not oldest.transport.is_closing():
-                    logger.debug("at %d connections: closing the oldest one not being served", max_connections)
-                    oldest.transport.close()
-                    return True
+            for waiting in (idle, arriving):
+                while waiting:
+                    oldest, _ = waiting.popitem(last=False)
+                    if not oldest.transport.is_closing():
+                        logger.debug("at %d connections: closing the oldest one not being served", max_connections)
+                        oldest.transport.close()
+                        return True
             return False
 
         def _arm(self) -> None:
