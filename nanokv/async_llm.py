@@ -393,7 +393,9 @@ class AsyncLLM:
             self._die(str(e))
         except BaseException as e:  # noqa: BLE001 - a bug here must not leave clients hanging
             logger.exception("the engine loop stopped")
-            self._die(f"the engine loop stopped: {type(e).__name__}: {e}")
+            # the reason reaches clients (503 bodies, /health): the exception's text stays in the log
+            self._die(f"the engine loop stopped on an internal error ({type(e).__name__}); the server's log "
+                      "has the traceback")
         finally:  # answer the snapshot requests nobody will serve now
             with self._cond:
                 self._stopping = True

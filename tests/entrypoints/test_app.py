@@ -306,6 +306,36 @@ def test_500_bodies_carry_no_exception_text(offline, caplog):
     assert secret in caplog.text  # the log keeps it
 
 
+def test_an_engine_loop_that_dies_leaves_its_exception_text_in_the_log_only(offline, caplog):
+    """A bug that stops the engine thread: the 503s (the request, /health) say so without
+    the exception's text."""
+    llm, app = app_for(offline)
+    secret = "/home/someone/secret-path-4712"
+
+    def broken_apply(commands):
+        raise RuntimeError(f"cannot apply {secret}")
+
+    llm._apply = broken_apply
+
+    async def main():
+        llm.start()
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            whole = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            health = await http.get("/health")
+        llm.shutdown()
+        return whole, health
+
+    with caplog.at_level("ERROR", logger="nanokv"):
+        whole, health = run(main())
+    check_error(whole, 503, "the engine stopped")
+    check_error(health, 503, "the engine is not running")
+    for resp in (whole, health):
+        assert secret not in resp.text, resp.text
+        assert "the server's log" in resp.text
+    assert secret in caplog.text  # the log keeps it
+
+
 def test_host_origin_and_content_type_checks(offline, capsys):
     """In process: the transport's URL is the address a request arrived on (loopback or not)."""
     body = {"prompt": "Hi", "max_tokens": 1}
