@@ -559,6 +559,53 @@ def test_penalties_are_bounded_and_their_extremes_keep_logits_finite(llm):
     assert torch.isfinite(out.top_logprobs).all() and torch.isfinite(out.logprobs).all()
 
 
+def test_penalties_at_float32s_limits_saturate_instead_of_making_inf(llm):
+    """Penalties at their bounds on logits near float32's largest (a model's extremes):
+    1e37 / 0.01 and -3e38 * 100 were +-inf, so the row's logprobs were inf - inf = NaN and
+    a sampled row drew from NaN. They saturate at the largest finite float (as a float64
+    reference clamped to it), banned -inf logits stay -inf, and greedy, sampled tokens and
+    logprobs are finite and follow the saturated logits."""
+    from nanokv.engine.types import ScheduledSeq
+    from nanokv.sampling_params import MAX_ADDITIVE_PENALTY, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
+
+    runner, vocab, big = llm.llm_engine.runner, 1024, torch.finfo(torch.float32).max
+    g = torch.Generator().manual_seed(5)
+    extremes = torch.tensor([-3e38, -1e37, float("-inf"), 3e38, 1e37, big, -big, 2e36, -2e36, 7.0])
+    cases = [(MIN_REPETITION_PENALTY, MAX_ADDITIVE_PENALTY, -MAX_ADDITIVE_PENALTY, 0.0),
+             (MAX_REPETITION_PENALTY, -MAX_ADDITIVE_PENALTY, MAX_ADDITIVE_PENALTY, 0.0),
+             (MIN_REPETITION_PENALTY, -MAX_ADDITIVE_PENALTY, MAX_ADDITIVE_PENALTY, 0.9),
+             (MAX_REPETITION_PENALTY, MAX_ADDITIVE_PENALTY, -MAX_ADDITIVE_PENALTY, 0.9)]
+    logits = torch.randn(len(cases), vocab, generator=g) * 3
+    logits[:, :len(extremes)] = extremes
+    logits[1, len(extremes):] = -3e38  # rows where every token is in the prompt, most of them
+    logits[3, len(extremes):] = -3e38  # far below zero: x 100 was -inf for all but a few
+    rows, refs = [], []
+    for i, (rep, pres, freq, temp) in enumerate(cases):
+        prompt = list(range(vocab)) if i % 2 else list(range(len(extremes)))
+        output = [0, 3, 3, 9, 9, 9, 5]
+        params = SamplingParams(temperature=temp, seed=i, repetition_penalty=rep, presence_penalty=pres,
+                                frequency_penalty=freq, logprobs=20)
+        rows.append(ScheduledSeq(i, [output[-1]], len(prompt) + len(output) - 1, [], True, params,
+                                 num_generated=len(output), all_token_ids=prompt + output,
+                                 num_prompt_tokens=len(prompt)))
+        ref = reference_penalties(logits[i].double(), prompt, output, rep, pres, freq)
+        refs.append(torch.where(ref.isinf(), ref, ref.clamp(-big, big)))
+    penalised = logits.clone()
+    out = runner.sampler(penalised, runner._sampling_tensors(rows, vocab), torch.Generator().manual_seed(0))
+    banned = torch.zeros_like(penalised, dtype=torch.bool)
+    banned[:, 2] = True
+    assert torch.isfinite(penalised[~banned]).all() and (penalised[:, 2] == float("-inf")).all()
+    expected = torch.stack(refs)
+    torch.testing.assert_close(penalised.double(), expected, rtol=1e-6, atol=0)
+    greedy = expected.argmax(-1)
+    assert out.tokens[0].item() == greedy[0].item() == 3  # the first of the saturated
+    assert out.tokens[1].item() == greedy[1].item()
+    # the sampled tokens' logprobs finite; a top candidate 6.8e38 below the best is -inf, never NaN
+    assert torch.isfinite(out.logprobs).all() and not out.top_logprobs.isnan().any()
+    for i in (2, 3):  # sampled rows: a token of the largest logits (the others are 1e30+ below)
+        assert expected[i, out.tokens[i]] == expected[i].max()
+
+
 def test_min_tokens_ban_list_is_built_once_per_request(llm, monkeypatch):
     """A request's min_tokens ban list (its stop_token_ids and EOS) is built once, not per
     row per step (n=32 and a million ids made a GB a step): its n rows share one [K] id

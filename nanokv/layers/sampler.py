@@ -601,13 +601,18 @@ def _block(vocab: int, k: int) -> int:
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> None:
     """vLLM's definitions, in place on the (row, token) pairs seen: repetition divides
     positive / multiplies negative logits of tokens in the prompt or output; frequency and
-    presence subtract per generated occurrence / once per generated token."""
+    presence subtract per generated occurrence / once per generated token. A finite logit
+    stays finite: near float32's limits the penalty saturates at the largest float (a
+    logit of 1e37 divided by 0.01 was inf, and inf - inf made the row's logprobs NaN);
+    a banned (-inf) logit stays banned."""
     rows, ids, counts = t.penalty_rows, t.penalty_ids, t.penalty_counts
     vals = logits[rows, ids]
+    finite = torch.isfinite(vals)
     rep = t.repetition[rows]
     vals = torch.where(vals > 0, vals / rep, vals * rep)
     vals -= t.frequency[rows] * counts + t.presence[rows] * (counts > 0)
-    logits[rows, ids] = vals
+    big = torch.finfo(vals.dtype).max
+    logits[rows, ids] = torch.where(finite, vals.clamp(-big, big), vals)
 
 
 class TokenCounts:
