@@ -666,6 +666,43 @@ def test_a_write_that_fails_on_the_first_record_resumes(model_dir, tmp_path, cap
         assert mine.read_bytes() == records[0][:40] and not (tmp_path / "mine.jsonl.lock").exists()
 
 
+# The same limit on the whole process, from its start: the lock file's holder line (58+
+# bytes) is the first write it cuts.
+_WHOLE_FSIZE_CHILD = """
+import resource, signal, sys
+from nanokv.entrypoints.cli import main
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_write_that_fails_on_the_lock_file_leaves_nothing_that_blocks_the_rerun(model_dir, tmp_path, capsys):
+    """A file size limit (or a full disk) that cuts the lock file's holder line: the lock
+    file held "n" (1 byte) and every rerun refused it as not nanokv's. Now the run fails
+    naming the lock file, leaves no lock file, and the rerun (also limited, then not)
+    runs the whole input; a lock file an older nanokv left cut inside "nanokv " is taken."""
+    rows = mixed_rows()[:5]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    ref = tmp_path / "ref.jsonl"
+    assert generate(model_dir, inp, ref, *GREEDY) == 0
+    for limit in (1, 6, 30):
+        out = tmp_path / f"out{limit}.jsonl"
+        for _ in range(2):
+            child = subprocess.run([sys.executable, "-c", _WHOLE_FSIZE_CHILD, str(limit), "generate", "--model",
+                                    model_dir, "--input", inp, "--output", str(out), *GREEDY],
+                                   env=_env(), capture_output=True, text=True, timeout=300)
+            assert child.returncode == 2 and f"cannot write the lock file {out}.lock" in child.stderr, child.stderr
+            assert not os.path.exists(f"{out}.lock") and not out.exists()
+        assert generate(model_dir, inp, out, *GREEDY) == 0, capsys.readouterr().err
+        assert by_id(out) == by_id(ref)
+    old = tmp_path / "old.jsonl"
+    (tmp_path / "old.jsonl.lock").write_bytes(b"nan")
+    assert generate(model_dir, inp, old, *GREEDY) == 0
+    assert by_id(old) == by_id(ref) and not (tmp_path / "old.jsonl.lock").exists()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

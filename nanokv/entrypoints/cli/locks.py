@@ -46,18 +46,23 @@ class FileLock:
                 break
             os.close(fd)  # its holder removed it between our open and flock
         previous = os.pread(fd, 512, 0)
-        if previous and not previous.startswith(b"nanokv "):
+        if previous and not previous.startswith(_HOLDER) and not _HOLDER.startswith(previous):
             os.close(fd)
             raise InputError(f"{self.path} exists and nanokv did not write it; move it away")
         self.stale = bool(previous)
-        line = f"nanokv {holder} pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+        line = f"{_HOLDER.decode()}{holder} pid {os.getpid()} on {socket.gethostname()} since " \
+               f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n"
         try:  # written before the old line is cut: on a full disk the trace stays
-            os.pwrite(fd, line.encode(), 0)
+            _pwrite_all(fd, line.encode())
             os.ftruncate(fd, len(line.encode()))
             os.fsync(fd)  # the trace must outlive a machine crash too
         except OSError as e:
+            if not previous:  # ours, new, and maybe holding a few bytes that do not say nanokv: gone
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
             os.close(fd)
-            raise InputError(f"cannot write the lock file {self.path}: {e.strerror}") from None
+            raise InputError(f"cannot write the lock file {self.path}: {e.strerror}; make room (disk space, "
+                             "quota, file size limit) and rerun the same command") from None
         return fd
 
     def release(self) -> None:
@@ -69,6 +74,17 @@ class FileLock:
                 os.unlink(self.path)
         os.close(self._fd)
         self._fd = None
+
+
+_HOLDER = b"nanokv "  # how a lock file's holder line begins (a file cut inside it is still ours)
+
+
+def _pwrite_all(fd: int, data: bytes) -> None:
+    """All of data at offset 0: a short write (a file size limit, a nearly full disk) goes
+    on until the rest is written or the write raises (EFBIG, ENOSPC)."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], done)
 
 
 def _ends_torn(path: str) -> bool:
