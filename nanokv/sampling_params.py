@@ -44,8 +44,8 @@ class SamplingParams:
     [MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY]), presence_penalty and
     frequency_penalty (subtracted per generated occurrence; 0: off; within
     +-MAX_ADDITIVE_PENALTY).
-    Numbers may be Python or numpy scalars (kept as int / float); ints must be integral
-    types (no bools, no floats), lists are bounded by the MAX_* constants above.
+    Numbers and flags may be Python or numpy scalars (kept as int / float / bool); ints
+    must be integral types (no bools, no floats), lists are bounded by the MAX_* constants above.
     """
 
     n: int = 1
@@ -89,8 +89,7 @@ class SamplingParams:
             setattr(self, name, _number(name, getattr(self, name), -MAX_ADDITIVE_PENALTY, MAX_ADDITIVE_PENALTY,
                                         "0 means off"))
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            setattr(self, name, _bool(name, getattr(self, name)))
 
     @property
     def greedy(self) -> bool:
@@ -101,6 +100,14 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1 or self.presence_penalty != 0
                 or self.frequency_penalty != 0)
+
+
+def _bool(name: str, value) -> bool:
+    """value as a bool: True / False or a numpy bool, never an int."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0
+                                   and getattr(value, "dtype", None) == bool):
+        return bool(value)
+    raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _int(name: str, value, low: int | None, high: int | None, hint: str = "") -> int:

@@ -483,13 +483,18 @@ def test_sampling_params_take_numpy_scalars_as_python_numbers(llm):
     assert type(params.stop_token_ids[1]) is int
     assert SamplingParams(stop_token_ids=np.array([5, 9])).stop_token_ids == [5, 9]
     assert SamplingParams(seed=np.uint64(2**64 - 1)).seed == 2**64 - 1
+    flags = SamplingParams(ignore_eos=np.bool_(True), include_stop_str_in_output=np.True_,
+                           skip_special_tokens=np.bool_(False))
+    assert (flags.ignore_eos, flags.include_stop_str_in_output, flags.skip_special_tokens) == (True, True, False)
+    assert all(type(getattr(flags, k)) is bool for k in ("ignore_eos", "include_stop_str_in_output"))
     prompt = random_prompts([9], 1024, seed=80)[0]
     outs = [[c.token_ids for c in llm.generate(prompt, p, use_tqdm=False)[0].outputs]
             for p in (params, SamplingParams(**plain))]
     assert outs[0] == outs[1]
     for bad in (dict(n=np.bool_(True)), dict(max_tokens=np.float64(4.0)), dict(seed=np.float32(1)),
                 dict(stop_token_ids=[np.bool_(False)]), dict(temperature=np.bool_(True)),
-                dict(top_p=np.float64("nan")), dict(temperature=10**400)):
+                dict(top_p=np.float64("nan")), dict(temperature=10**400), dict(ignore_eos=np.int64(1)),
+                dict(skip_special_tokens=1), dict(include_stop_str_in_output=np.array([True]))):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
 
