@@ -103,25 +103,30 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         engine, lock = self.llm_engine, self._lock
-        requests = []
-        with lock:  # the tokenizer is not safe to call from two threads at once
-            for i, (prompt, p) in enumerate(zip(prompts, params)):
-                try:
-                    requests.append(engine.make_request(prompt, p))
-                except ValueError as e:
-                    raise ValueError(f"prompt {i}: {e}") from None
-        order = {req.request_id: i for i, req in enumerate(requests)}
-        results: list[RequestOutput | None] = [None] * len(requests)
+        requests, queued = [], []
         sink: list[RequestOutput] = []
+        order: dict[str, int] = {}
+        results: list[RequestOutput | None] = []
         try:
+            # made and queued in one hold of the lock: the tokenizer is not safe to call from
+            # two threads at once, and an id made here must not be taken by another thread's
+            # add_request(request_id=...) before it is queued
             with lock:
+                for i, (prompt, p) in enumerate(zip(prompts, params)):
+                    try:
+                        requests.append(engine.make_request(prompt, p))
+                    except ValueError as e:
+                        raise ValueError(f"prompt {i}: {e}") from None
                 for req in requests:
                     engine.enqueue(req, sink)
+                    queued.append(req)
+            order = {req.request_id: i for i, req in enumerate(requests)}
+            results = [None] * len(requests)
             self._run(results, order, sink, use_tqdm)
-        finally:  # interrupted: leave the engine clean for the next call
+        finally:  # interrupted: leave the engine clean for the next call (only its own requests)
             with lock:
-                _abort_all(engine, [req.request_id for req in requests
-                                    if results[order[req.request_id]] is None])
+                _abort_all(engine, [req.request_id for req in queued
+                                    if not results or results[order[req.request_id]] is None])
         failed = [out for out in results if out.error is not None]
         if failed:
             logger.warning("%d of %d requests failed in the engine (finish_reason 'error'); first: %s",

@@ -128,3 +128,61 @@ def test_threads_calling_one_llm_each_get_their_own_outputs(model_dir):
         pytest.fail(f"the child hung for {e.timeout} s:\n{(e.stdout or b'')[-2000:]!r}")
     tail = (child.stdout + child.stderr)[-3000:]
     assert child.returncode == 0, f"exit {child.returncode}:\n{tail}"
+
+
+class _HandOffLock:
+    """The engine's RLock, running `between` once, the first time its holder lets it go
+    entirely after `armed` is set: what another thread waiting on the lock does there."""
+
+    def __init__(self, lock):
+        self._lock, self._depth, self.armed, self.between = lock, 0, False, None
+
+    def __enter__(self):
+        self._lock.acquire()
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        self._depth -= 1
+        self._lock.release()
+        if self._depth == 0 and self.armed and self.between is not None:
+            between, self.between = self.between, None
+            between()
+
+
+def test_an_id_generate_made_is_not_taken_by_another_caller_before_it_is_queued(model_dir):
+    """generate() made its requests (ids from the engine's counter) under the lock, let it
+    go, and queued them under it again: another thread's add_request with one of those ids
+    in between made generate raise "already in use", and its cleanup aborted the other
+    thread's request. The ids are made and queued in one hold: the other caller is told the
+    id is in use, and generate returns what it returns alone."""
+    from nanokv import LLM, SamplingParams
+
+    llm = LLM(model_dir, max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    made, other = [], []
+    real_make = engine.make_request
+
+    def make(*args, **kwargs):
+        req = real_make(*args, **kwargs)
+        made.append(req.request_id)
+        lock.armed = True
+        return req
+
+    def other_thread_adds():
+        try:
+            other.append(engine.add_request([12, 13, 14], params, request_id=made[-1]))
+        except ValueError as e:
+            other.append(str(e))
+
+    lock = _HandOffLock(engine.lock)
+    lock.between = other_thread_adds
+    engine.lock = llm._lock = lock
+    engine.make_request = make
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == alone
+    assert len(other) == 1 and "already in use" in other[0]
+    assert not engine.has_unfinished()
