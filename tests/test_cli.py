@@ -701,6 +701,13 @@ def test_a_write_that_fails_on_the_lock_file_leaves_nothing_that_blocks_the_reru
     (tmp_path / "old.jsonl.lock").write_bytes(b"nan")
     assert generate(model_dir, inp, old, *GREEDY) == 0
     assert by_id(old) == by_id(ref) and not (tmp_path / "old.jsonl.lock").exists()
+    # but it is no trace of a killed run: a torn-only file beside it is still refused, untouched
+    mine = tmp_path / "mine.jsonl"
+    mine.write_bytes(b'{"id": "x", "li')
+    (tmp_path / "mine.jsonl.lock").write_bytes(b"n")
+    assert generate(model_dir, inp, mine, *GREEDY) == 2
+    assert "nanokv did not write this file" in capsys.readouterr().err
+    assert mine.read_bytes() == b'{"id": "x", "li'
 
 
 def _free_port() -> int:

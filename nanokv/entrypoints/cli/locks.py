@@ -49,7 +49,9 @@ class FileLock:
         if previous and not previous.startswith(_HOLDER) and not _HOLDER.startswith(previous):
             os.close(fd)
             raise InputError(f"{self.path} exists and nanokv did not write it; move it away")
-        self.stale = bool(previous)
+        # a whole holder line: a run that took the lock was killed; a line cut inside "nanokv "
+        # (a run that could not write it, then stopped) is no evidence of any other file
+        self.stale = previous.startswith(_HOLDER)
         line = f"{_HOLDER.decode()}{holder} pid {os.getpid()} on {socket.gethostname()} since " \
                f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n"
         try:  # written before the old line is cut: on a full disk the trace stays
