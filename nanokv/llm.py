@@ -73,6 +73,8 @@ class LLM:
                 with lock:  # another thread's step may fill the sink: look under the lock
                     if not sink:
                         engine.advance()
+                        if not sink and not engine.has_request(req.request_id):
+                            _aborted_elsewhere([req.request_id])
                         continue
                     out = sink.pop(0)
                 done = out.finished
@@ -167,6 +169,9 @@ class LLM:
                 with lock:  # another thread's step may already have filled the sink
                     if not sink:
                         engine.advance()
+                        if not sink and not engine.has_unfinished():  # nothing runs, yet ours did not end
+                            _aborted_elsewhere([rid for rid, i in order.items()
+                                                if results[i] is None and not engine.has_request(rid)])
                     outs, sink[:] = sink[:], []
                     s = engine.last_step
                 for out in outs:
@@ -261,6 +266,14 @@ def _as_params_list(sampling_params, n: int) -> list[SamplingParams | None]:
         raise ValueError(f"got {len(params)} sampling_params for {n} prompts; "
                          "pass one SamplingParams or one per prompt")
     return params
+
+
+def _aborted_elsewhere(request_ids: list[str]) -> None:
+    """A call's requests that the engine no longer knows but that never finished: another
+    thread aborted them through llm_engine.abort(). Raise rather than wait for them forever."""
+    if request_ids:
+        raise RuntimeError(f"request {request_ids[0]!r}" + (f" and {len(request_ids) - 1} more" if len(request_ids) > 1
+                           else "") + " of this call was aborted by another caller (llm_engine.abort)")
 
 
 def _abort_all(engine: LLMEngine, request_ids: list[str]) -> None:

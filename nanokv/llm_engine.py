@@ -178,6 +178,10 @@ class LLMEngine:
                 self.output_processor.forget(seq)
                 self.scheduler.abort(seq)
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether the request is queued or running (not finished, failed or aborted)."""
+        return str(request_id) in self._requests
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

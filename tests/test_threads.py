@@ -186,3 +186,51 @@ def test_an_id_generate_made_is_not_taken_by_another_caller_before_it_is_queued(
     assert got == alone
     assert len(other) == 1 and "already in use" in other[0]
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("call", ["generate", "stream"])
+def test_a_request_another_caller_aborts_ends_the_call_instead_of_hanging_it(model_dir, call):
+    """Another thread's llm_engine.abort() of one of a call's requests: the call raises
+    RuntimeError naming it (it waited forever, stepping an idle engine). The abort is made
+    right after the call's first step, as a thread waiting on the lock would make it."""
+    import threading
+
+    from nanokv import LLM, SamplingParams
+
+    llm = LLM(model_dir, max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    made, outcome = [], []
+    real_make, real_advance = engine.make_request, engine.advance
+
+    def make(*args, **kwargs):
+        req = real_make(*args, **kwargs)
+        made.append(req.request_id)
+        return req
+
+    def advance():
+        real_advance()
+        if made and engine.has_request(made[0]):
+            engine.abort(made[0])
+
+    engine.make_request, engine.advance = make, advance
+
+    def run():
+        try:
+            if call == "generate":
+                llm.generate([[5, 6, 7, 8], [9, 10, 11]], params, use_tqdm=False)
+            else:
+                "".join(llm.stream([5, 6, 7, 8], params))
+            outcome.append("returned")
+        except RuntimeError as e:
+            outcome.append(str(e))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(60)
+    hung = t.is_alive()
+    llm.close()  # a hung call's next step then raises: the thread ends
+    t.join(60)
+    assert not hung, "the call waited for a request another caller aborted"
+    assert len(outcome) == 1 and made[0] in outcome[0] and "aborted by another caller" in outcome[0]
+    assert not engine.has_unfinished()
