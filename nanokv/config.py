@@ -289,6 +289,9 @@ def load_hf_config(model: str):
             "directories (config.json + *.safetensors); download the model first")
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ValueError(f"{model!r} has no config.json; point model at a Hugging Face model directory")
+    from nanokv.loader import check_layer_count_early
+
+    check_layer_count_early(model)
     try:
         return AutoConfig.from_pretrained(model)
     except Exception as e:  # unknown model_type and the like: report as a user error

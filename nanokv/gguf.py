@@ -146,9 +146,14 @@ def load_config(path: str):
     _require_gguf(path)
     from transformers import AutoConfig
 
+    from nanokv.model_config import check_layer_count
+
     supported = ", ".join(ARCHITECTURES)
     directory, name = os.path.split(os.path.abspath(path))
     header = read_header(path)  # the layout checked before transformers reads the file
+    arch = header.metadata.get("general.architecture")
+    if arch in ARCHITECTURES:  # the layer count before transformers makes a list that long
+        check_layer_count(header.metadata.get(f"{arch}.block_count"), config_source(path, arch, header))
     entry = _cache_entry(path, "config", header.digest)
     config = _read_cache(entry, AutoConfig.from_pretrained)
     if config is None:
@@ -234,11 +239,12 @@ GGUF_TENSORS = {
 
 
 def config_source(path: str, config, header: GGUFHeader | None = None, with_shapes: bool = True):
-    """The file as model_config checks it: its keys, its tensor names and shapes."""
+    """The file as model_config checks it: its keys, its tensor names and shapes. `config`:
+    transformers' config, or the architecture's name (general.architecture)."""
     from nanokv.model_config import ConfigSource
 
     header = header or read_header(path)
-    arch = config.model_type
+    arch = config if isinstance(config, str) else config.model_type
     keys = {attr: f"{arch}.{key}" for attr, key in GGUF_KEYS.items()}
     if any(t.name == ROPE_FREQS for t in header.tensors):  # llama3's scaling: from the factors
         keys.update(dict.fromkeys(("factor", "low_freq_factor", "high_freq_factor",
@@ -429,6 +435,8 @@ _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 # a string (u64 length, UTF-8) and an array (u32 item type, u64 count, the items)
 _FIXED_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _UINT32, _STRING, _ARRAY = 4, 8, 9
+_MIN_KV_BYTES = 8 + 4 + 1  # a metadata item: key length, value type, the smallest value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # a tensor info: name length, n_dims, type, offset
 _SCALARS = {t: struct.Struct("<" + c) for t, c in
             {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}.items()}
 # ggml types GGUFReader gives in their numpy dtype; the others (the block types, BF16) as bytes
@@ -486,8 +494,8 @@ def read_header(path: str) -> GGUFHeader:
     try:
         infos, data_start, alignment = header.parse()
     except struct.error:  # a read ran off the end
-        raise ValueError(f"{path}: the GGUF header is truncated (the file has {size} bytes); the file is "
-                         "incomplete, download or copy it again") from None
+        raise ValueError(f"{path}: the GGUF header is truncated {header.where} (the file has {size} bytes); the "
+                         "file is incomplete or damaged, download or copy it again") from None
     tensors, expected = [], 0  # where the next tensor must start in the data section
     for name, dims, raw_type, offset in infos:
         try:
@@ -523,6 +531,7 @@ class _Header:
     def __init__(self, path: str, buf: memoryview):
         self.path, self.buf, self.pos = path, buf, 0
         self.values = {}  # metadata key -> its value (scalars; strings outside tokenizer.*)
+        self.where = "in its counts"  # the item being read, for errors
 
     def fail(self, problem: str):
         raise ValueError(f"{self.path}: {problem}")
@@ -581,9 +590,15 @@ class _Header:
         if version not in _VERSIONS:
             self.fail(f"GGUF version {version} is not supported; nanokv reads versions 2 and 3")
         n_tensors, n_kv = self.u64(), self.u64()
+        if n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_INFO_BYTES > len(self.buf):
+            self.fail(f"the header counts {n_kv} metadata keys and {n_tensors} tensors, more than the file's "
+                      f"{len(self.buf)} bytes hold; the file is damaged")
         alignment, keys = DEFAULT_ALIGNMENT, set()
-        for _ in range(n_kv):
-            key, value_type = self.string().decode("utf-8", errors="replace"), self.u32()
+        for i in range(n_kv):
+            self.where = f"in metadata item {i}" + (f" (after key {key})" if i else "")
+            key = self.string().decode("utf-8", errors="replace")
+            self.where = f"in metadata key {key}"
+            value_type = self.u32()
             if key in keys:
                 self.fail(f"metadata key {key} appears twice")
             keys.add(key)
@@ -594,6 +609,8 @@ class _Header:
                 continue
             if key != "general.alignment":
                 self.skip(value_type, key)
+                if self.pos > len(self.buf):  # a length or count past the end
+                    raise struct.error("a value runs past the end")
                 continue
             if value_type != _UINT32:
                 self.fail(f"general.alignment has the value type {value_type}, not uint32")
@@ -601,8 +618,10 @@ class _Header:
             if alignment == 0 or alignment & (alignment - 1):
                 self.fail(f"general.alignment is {alignment}, not a power of two")
         infos, names = [], set()
-        for _ in range(n_tensors):
+        for i in range(n_tensors):
+            self.where = f"in the info of tensor {i}" + (f" (after tensor {name})" if i else "")
             name = self.string().decode("utf-8", errors="replace")
+            self.where = f"in the info of tensor {name}"
             if name in names:
                 self.fail(f"tensor {name} appears twice")
             names.add(name)
@@ -619,6 +638,7 @@ class _Header:
             infos.append((name, dims, self.u32(), self.u64()))
         if self.pos > len(self.buf):  # a skipped value ran off the end
             raise struct.error("the header runs past the end")
+        self.where = "after the tensor infos"
         return infos, -(-self.pos // alignment) * alignment, alignment
 
 

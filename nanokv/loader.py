@@ -16,7 +16,7 @@ from torch import nn
 
 from nanokv.gguf import GGUFCheckpoint, config_source, find_gguf
 from nanokv.layers.linear import default_weight_loader
-from nanokv.model_config import HF_TENSORS, ConfigSource, check_model_config
+from nanokv.model_config import HF_TENSORS, ConfigSource, check_layer_count, check_model_config
 
 # Buffers some checkpoints carry that the model recomputes itself.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -52,6 +52,24 @@ def check_checkpoint(model_dir: str, hf_config) -> None:
         source = ConfigSource(os.path.join(model_dir, "config.json"), {}, "model.layers.", HF_TENSORS,
                               _safetensors_shapes(model_dir))
     check_model_config(hf_config, source)
+
+
+def check_layer_count_early(model_dir: str) -> None:
+    """config.json's num_hidden_layers against the checkpoint's layers, read raw, before
+    transformers builds its config (it makes a list that long: 2**32 - 1 layers hang and
+    take GBs). The rest is checked by check_checkpoint; a config.json that cannot be read
+    is left to transformers to report."""
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return
+    if not isinstance(raw, dict) or "num_hidden_layers" not in raw:
+        return
+    shapes = _safetensors_shapes(model_dir)
+    if shapes is not None:
+        check_layer_count(raw["num_hidden_layers"], ConfigSource(path, {}, "model.layers.", HF_TENSORS, shapes))
 
 
 def _safetensors_shapes(model_dir: str) -> dict[str, tuple[int, ...]] | None:

@@ -159,15 +159,23 @@ def _layer_index(name: str, prefix: str) -> tuple[int | None, str]:
 
 
 def _check_layers(hf_config, source: ConfigSource) -> None:
-    """One group of tensors per layer, numbered 0 to num_hidden_layers - 1."""
-    n = hf_config.num_hidden_layers
+    check_layer_count(hf_config.num_hidden_layers, source)
+
+
+def check_layer_count(n, source: ConfigSource) -> None:
+    """One group of tensors per layer, numbered 0 to num_hidden_layers - 1. Also run on the
+    raw value before transformers builds its config, which makes a list as long as the
+    layer count (Qwen2's and Qwen3's layer_types: 2**32 - 1 layers hang and take GBs)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        source.fail(f"{source.key('num_hidden_layers')} is {n!r}; it must be an int >= 1")
     found = sorted({i for name in source.shapes if (i := _layer_index(name, source.layer_prefix)[0]) is not None})
-    if found == list(range(n)):
+    contiguous = bool(found) and found[-1] == len(found) - 1  # 0 to the last, each once (no list as long as n)
+    if contiguous and len(found) == n:
         return
     p = source.layer_prefix
     if not found:
         have = "no per-layer tensors"
-    elif found == list(range(found[-1] + 1)):
+    elif contiguous:
         have = f"the tensors of {len(found)} layers ({p}0 to {p}{found[-1]})"
     else:
         have = f"the tensors of the layers {', '.join(map(str, found[:8]))}{', ...' if len(found) > 8 else ''}"

@@ -133,6 +133,45 @@ def test_a_key_given_twice_is_refused(tmp_path):
         nk_gguf.read_tensors(bad)
 
 
+def _header_with(items: list[bytes], n_kv: int | None = None, n_tensors: int = 0) -> bytes:
+    """A GGUF header of raw metadata items (a key's length and bytes, its type, its value)."""
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, len(items) if n_kv is None else n_kv) + b"".join(items)
+
+
+def _item(key: bytes, value_type: int, value: bytes) -> bytes:
+    return struct.pack("<Q", len(key)) + key + struct.pack("<I", value_type) + value
+
+
+LENGTHS_PAST_THE_END = {  # a length or count in one item runs past the end of the file -> the item named
+    "string": (_item(b"tokenizer.chat_template", 8, struct.pack("<Q", 2**40)), "metadata key tokenizer.chat_template"),
+    "general string": (_item(b"general.name", 8, struct.pack("<Q", 2**63)), "metadata key general.name"),
+    "u8 array": (_item(b"test.bytes", 9, struct.pack("<IQ", 0, 2**62)), "metadata key test.bytes"),
+    "string array": (_item(b"tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, 2**62)),
+                     "metadata key tokenizer.ggml.tokens"),
+    "nested array": (_item(b"test.nested", 9, struct.pack("<IQ", 9, 2**62)), "metadata key test.nested"),
+    "key": (struct.pack("<Q", 2**64 - 1) + b"abc", r"metadata item 1 \(after key general.architecture\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(LENGTHS_PAST_THE_END))
+def test_a_length_past_the_end_names_the_key(tmp_path, case):
+    item, where = LENGTHS_PAST_THE_END[case]
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(_header_with([_item(b"general.architecture", 8, struct.pack("<Q", 5) + b"llama"), item]))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(bad))}: the GGUF header is truncated in {where} "):
+        nk_gguf.read_tensors(str(bad))
+
+
+@pytest.mark.parametrize("n_kv, n_tensors", [(2**63, 0), (1, 2**63), (2**20, 2**20)])
+def test_counts_the_file_cannot_hold_are_refused(tmp_path, n_kv, n_tensors):
+    bad = tmp_path / "counts.gguf"
+    bad.write_bytes(_header_with([_item(b"general.architecture", 8, struct.pack("<Q", 5) + b"llama")] * 2,
+                                 n_kv=n_kv, n_tensors=n_tensors))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(bad))}: the header counts {n_kv} metadata keys and "
+                                         f"{n_tensors} tensors, more than the file's \\d+ bytes hold"):
+        nk_gguf.read_tensors(str(bad))
+
+
 # ---- the model's metadata, before anything is allocated ---------------------------------
 
 def _model_file(checkpoint, tmp_path, *metadata, shape="qwen2-tiny", arch="qwen2") -> str:
@@ -176,6 +215,26 @@ def test_sizes_are_checked_against_the_tensors_before_the_model_is_built(checkpo
     path = _model_file(checkpoint, tmp_path, *metadata)
     with pytest.raises(ValueError, match=f"^{re.escape(path)}: {problem}"):
         LLM(path, **SMALL)
+
+
+@pytest.mark.parametrize("n", [2**32 - 1, 2**62, 100_000, 3, 0])
+def test_the_layer_count_is_checked_before_transformers_reads_it(checkpoint, tmp_path, monkeypatch, n):
+    """Qwen2's and Qwen3's configs build layer_types, one entry per layer: 2**32 - 1 layers
+    hung in transformers for minutes and took GBs before any check ran."""
+    from transformers import AutoConfig
+
+    def from_pretrained(*args, **kwargs):
+        raise AssertionError("transformers read a layer count nanokv had not checked")
+
+    path = _model_file(checkpoint, tmp_path, ("qwen2.block_count", n, V.UINT64))
+    d = _model_dir(checkpoint, tmp_path, num_hidden_layers=n, layer_types=None)
+    monkeypatch.setattr(AutoConfig, "from_pretrained", from_pretrained)
+    problem = "it must be an int >= 1" if n == 0 else r"but the checkpoint has the tensors of 2 layers"
+    with pytest.raises(ValueError, match=f"^{re.escape(path)}: qwen2\\.block_count \\(num_hidden_layers\\) is {n}"
+                                         f"(;|,) {problem}"):
+        LLM(path, **SMALL)
+    with pytest.raises(ValueError, match=f"^{re.escape(d)}/config.json: num_hidden_layers is {n}(;|,) {problem}"):
+        LLM(d, **SMALL)
 
 
 def test_a_huge_context_length_sizes_nothing_by_itself(checkpoint, tmp_path, monkeypatch):
