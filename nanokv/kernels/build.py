@@ -3,8 +3,8 @@
 The shared library is built with the machine's C compiler (`cc -O3 -march=native
 -fopenmp`) into a cache directory keyed by the source, the flags, the compiler and the
 CPU, the way Triton caches its kernels. An entry is trusted only when its bytes match the
-manifest written beside it at build time (size and sha256); anything else is built again
-(see build()), and ffi loads the checked bytes themselves.
+manifest written beside it at build time (its name, size and sha256); anything else is
+built again (see build()), and ffi loads the checked bytes themselves.
 
 Variants (each built and cached on its own): the vector width, 16 floats where the compiler
 targets AVX-512 and 8 otherwise unless NANOKV_CPU_WIDTH (or `width`) forces 8 or 16, so
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -24,6 +25,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
@@ -124,7 +126,7 @@ def build(width: int | None = None, portable: bool | str = False) -> Built:
     """The shared library of one variant (see flags), compiled first unless the cache holds
     an entry whose bytes match its manifest.
 
-    An entry is `nanokv_cpu_<key>.so` and its manifest `nanokv_cpu_<key>.json` (size and
+    An entry is `nanokv_cpu_<key>.so` and its manifest `nanokv_cpu_<key>.json` (name, size and
     sha256); the manifest is the commit point: it is written (fsync, rename, fsync of the
     folder) only after the library is durable under its own name, and an entry is trusted
     only when the library's bytes match it. So a crash between the steps, a truncated or
@@ -157,16 +159,15 @@ def _verified(folder: Path, name: str, quiet: bool = False) -> Built | None:
     quiet or there is no entry at all) otherwise."""
     library, manifest = folder / f"{name}.so", folder / f"{name}.json"
     try:
-        with open(library, "rb") as f:
-            data = f.read()
+        data = _read_regular(library, MAX_LIBRARY_BYTES)
     except FileNotFoundError:
         return None
     except OSError as e:
         problem = f"unreadable ({e})"
     else:
         try:
-            expected = json.loads(manifest.read_text())
-            problem = None if expected == _manifest(data) else "does not match its manifest"
+            expected = json.loads(_read_regular(manifest, MAX_MANIFEST_BYTES))
+            problem = None if expected == _manifest(name, data) else "does not match its manifest"
         except FileNotFoundError:
             problem = "has no manifest"
         except (OSError, ValueError) as e:
@@ -178,14 +179,41 @@ def _verified(folder: Path, name: str, quiet: bool = False) -> Built | None:
     return None
 
 
-def _manifest(data: bytes) -> dict:
-    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+MAX_LIBRARY_BYTES = 64 << 20  # far above any build of cpu.c (about 0.3 MB); more is no library of ours
+MAX_MANIFEST_BYTES = 4096
+
+
+def _read_regular(path: Path, limit: int) -> bytes:
+    """A regular file's bytes (a symlink to one is followed); OSError for anything else (a
+    folder, a device such as /dev/zero, a FIFO: opened without blocking, never read) and
+    for a file over `limit` bytes, so a cache entry cannot make the check read forever."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    with open(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"over {limit} bytes", str(path))
+    return data
+
+
+def _manifest(name: str, data: bytes) -> dict:
+    """What an entry's library must be: its entry's name (an entry copied from another
+    variant's, library and manifest, is no match), its size and its sha256."""
+    return {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def _build(cc: str, variant: list[str], folder: Path, name: str) -> Built:
     """Compile into a temporary folder beside the entry, then commit it (a commit that
     fails, say on a file where the manifest goes, commits to the private folder instead)."""
-    with tempfile.TemporaryDirectory(dir=folder, prefix=f".{name}-") as tmp:
+    try:
+        workspace = tempfile.TemporaryDirectory(dir=folder, prefix=f".{name}-")
+    except OSError as e:  # a folder that takes no new files (read-only, immutable) though its lock opened
+        if folder == _private:
+            raise
+        return _build(cc, variant, _private_folder(e), name)
+    with workspace as tmp:
         out = Path(tmp) / f"{name}.so"
         proc = subprocess.run([cc, *variant, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S)
@@ -207,7 +235,7 @@ def _commit(folder: Path, name: str, data: bytes) -> Built:
     before it takes its name."""
     library = folder / f"{name}.so"
     _write_durably(library, data, 0o755)
-    _write_durably(folder / f"{name}.json", json.dumps(_manifest(data)).encode(), 0o644)
+    _write_durably(folder / f"{name}.json", json.dumps(_manifest(name, data)).encode(), 0o644)
     return Built(library, data)
 
 

@@ -10,6 +10,7 @@ may crash on a damaged library (SIGBUS, SIGSEGV) runs in a subprocess."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -195,6 +196,80 @@ def test_a_missing_or_damaged_manifest_is_built_again(cache, healthy, damage, ca
         cache.manifest.rmdir()
         cache.manifest.write_bytes(built.path.with_suffix(".json").read_bytes())
     assert_entry_is_healthy(cache, healthy)
+
+
+def test_another_entry_s_files_copied_over_are_built_again(cache, healthy, caplog):
+    """Another variant's library and its own manifest copied over this entry's agree with
+    each other but are not this entry: the manifest names its entry."""
+    other = cache.root / "other"
+    other.mkdir()
+    data = bytearray(healthy.library)
+    data[len(data) // 2] ^= 0x5A  # another build's bytes
+    build._commit(other, "nanokv_cpu_0123456789abcdef", bytes(data))
+    shutil.copy(other / "nanokv_cpu_0123456789abcdef.so", cache.library)
+    shutil.copy(other / "nanokv_cpu_0123456789abcdef.json", cache.manifest)
+    with caplog.at_level(logging.WARNING, logger="nanokv"):
+        built = build.build()
+    assert built.data == healthy.library and cache.compiles() == 1
+    assert f"{cache.library} does not match its manifest" in caplog.text
+    assert_entry_is_healthy(cache, healthy)
+
+
+@pytest.mark.parametrize("part", ["library", "manifest"])
+def test_a_symlink_to_a_device_is_not_read(cache, healthy, part):
+    """The library (or its manifest) a symlink to /dev/zero: the check read it until memory
+    ran out (a MemoryError, so the torch path); now only a regular file is read, at most
+    MAX_LIBRARY_BYTES of it, and the entry is built again. In a child under a 2 GB address
+    space limit, so that the old behaviour fails fast."""
+    target = cache.library if part == "library" else cache.manifest
+    target.unlink()
+    target.symlink_to("/dev/zero")
+    code = (
+        "import hashlib, resource\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+        "from nanokv.kernels import build\n"
+        "print(hashlib.sha256(build.build().data).hexdigest())\n"
+    )
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == hashlib.sha256(healthy.library).hexdigest()
+    assert "not a regular file" in out.stderr and "building it again" in out.stderr
+    assert cache.compiles() == 1
+    assert_entry_is_healthy(cache, healthy)  # the symlink replaced by the entry (by rename)
+
+
+def _freeze(folder: Path) -> None:
+    """No new files in folder, even for root (chattr +i), or skip."""
+    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0:
+        return
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        return
+    pytest.skip("cannot make a folder refuse new files here (no chattr +i, and root ignores permissions)")
+
+
+def _thaw(folder: Path) -> None:
+    subprocess.run(["chattr", "-i", str(folder)], capture_output=True)
+    folder.chmod(0o755)
+
+
+def test_a_folder_that_takes_no_new_files_builds_into_a_private_folder(cache, healthy, caplog, monkeypatch):
+    """The lock file exists (an earlier build) but the kernels folder takes no new file
+    (an immutable folder, or one the user cannot write): the compile's temporary folder
+    cannot be made there. That was an error, so the torch path; now the private folder."""
+    monkeypatch.setattr(build, "_private", None)  # this test's own (another test's may hold the entry)
+    cache.library.unlink()
+    cache.manifest.unlink()
+    (cache.library.parent / f"{healthy.name}.lock").touch()
+    _freeze(cache.library.parent)
+    try:
+        with caplog.at_level(logging.WARNING, logger="nanokv"):
+            built = build.build()
+    finally:
+        _thaw(cache.library.parent)
+    assert built.data == healthy.library and built.path.parent == build._private
+    assert "cannot write to the cache" in caplog.text and cache.compiles() == 1
+    assert not cache.library.exists()
 
 
 @pytest.mark.parametrize("blocked", ["root", "kernels"])
