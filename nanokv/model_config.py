@@ -24,6 +24,8 @@ SIZES = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention
 _POSITIVE_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
                   "attention_factor", "partial_rotary_factor")
 
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without importing torch here
+
 # tensor role -> its shape in torch's order, each dim the product of config sizes
 TENSOR_SHAPES = {
     "embed": (("vocab_size",), ("hidden_size",)),
@@ -128,7 +130,10 @@ def _check_floats(hf_config, source: ConfigSource, head_dim: int) -> None:
 
     eps = getattr(hf_config, "rms_norm_eps", None)
     if eps is not None:
-        check_number(f"{source.path}: {source.key('rms_norm_eps')}", eps)
+        name = f"{source.path}: {source.key('rms_norm_eps')}"
+        if check_number(name, eps) > FLOAT32_MAX:  # added to float32 variances: an infinity there
+            raise ValueError(f"{name} is {eps!r}; it must be at most {FLOAT32_MAX:.6g} (float32's largest number): "
+                             "the norms compute in float32, where it is an infinity and every output the same")
     params = rope_parameters(hf_config)
     scaling_name = "rope_parameters" if isinstance(getattr(hf_config, "rope_parameters", None), dict) \
         else "rope_scaling"

@@ -293,6 +293,20 @@ def test_values_that_make_nan_are_refused_naming_the_key(checkpoint, tmp_path, n
         LLM(path, **SMALL)
 
 
+@pytest.mark.parametrize("eps", [1e300, 1e39])
+def test_an_rms_epsilon_beyond_float32_is_refused(checkpoint, tmp_path, no_model, eps):
+    """Finite as a float64 (a GGUF FLOAT64 or config.json) but an infinity in the float32
+    norms: every hidden state 0, every request token 0."""
+    path = _model_file(checkpoint, tmp_path, ("qwen2.attention.layer_norm_rms_epsilon", eps, V.FLOAT64))
+    value = re.escape(repr(eps))
+    with pytest.raises(ValueError, match=f"^{re.escape(path)}: qwen2\\.attention\\.layer_norm_rms_epsilon "
+                                         f"\\(rms_norm_eps\\) is {value}; it must be at most 3\\.40282e\\+38"):
+        LLM(path, **SMALL)
+    d = _model_dir(checkpoint, tmp_path, rms_norm_eps=eps)
+    with pytest.raises(ValueError, match=f"^{re.escape(d)}/config.json: rms_norm_eps is {value}; it must be at most"):
+        LLM(d, **SMALL)
+
+
 def test_an_infinite_rope_freqs_factor_is_refused(checkpoint, tmp_path, no_model):
     """Llama 3.1's scaling comes from the rope_freqs tensor: factors all inf read as a
     linear scaling by inf, refused naming the tensor."""
