@@ -57,8 +57,9 @@ def check_checkpoint(model_dir: str, hf_config) -> None:
 def check_layer_count_early(model_dir: str) -> None:
     """config.json's num_hidden_layers against the checkpoint's layers, read raw, before
     transformers builds its config (it makes a list that long: 2**32 - 1 layers hang and
-    take GBs). The rest is checked by check_checkpoint; a config.json that cannot be read
-    is left to transformers to report."""
+    take GBs). The rest is checked by check_checkpoint; a config.json that cannot be read,
+    or weights not named as nanokv's models name them (an architecture it does not run),
+    are left to transformers and the later checks to report."""
     path = os.path.join(model_dir, "config.json")
     try:
         with open(path) as f:
@@ -68,7 +69,7 @@ def check_layer_count_early(model_dir: str) -> None:
     if not isinstance(raw, dict) or "num_hidden_layers" not in raw:
         return
     shapes = _safetensors_shapes(model_dir)
-    if shapes is not None:
+    if shapes is not None and any(name.startswith("model.layers.") for name in shapes):
         check_layer_count(raw["num_hidden_layers"], ConfigSource(path, {}, "model.layers.", HF_TENSORS, shapes))
 
 
