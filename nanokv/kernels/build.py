@@ -16,7 +16,6 @@ paths' unsigned-offset arithmetic (tests compare them all).
 from __future__ import annotations
 
 import atexit
-import contextlib
 import errno
 import fcntl
 import hashlib
@@ -31,6 +30,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from nanokv.fileio import write_durably
 
 logger = logging.getLogger("nanokv")
 
@@ -234,32 +235,10 @@ def _commit(folder: Path, name: str, data: bytes) -> Built:
     """The library, then its manifest (the commit point), each written whole and durable
     before it takes its name."""
     library = folder / f"{name}.so"
-    _write_durably(library, data, 0o755)
-    _write_durably(folder / f"{name}.json", json.dumps(_manifest(name, data)).encode(), 0o644)
+    write_durably(library, [data], 0o755)
+    write_durably(folder / f"{name}.json", [json.dumps(_manifest(name, data)).encode()])
     return Built(library, data)
 
-
-def _write_durably(path: Path, data: bytes, mode: int) -> None:
-    """Write a file whole under a temporary name beside it, fsync it, rename it over `path`
-    (atomic: a reader sees the old file or the new one) and fsync the folder so the rename
-    survives a crash."""
-    fd, staged = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-    try:
-        with open(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fchmod(f.fileno(), mode)
-            os.fsync(f.fileno())
-        os.replace(staged, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(staged)
-        raise
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
 
 
 def _lock(f) -> None:

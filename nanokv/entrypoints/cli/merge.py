@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 
 from nanokv.entrypoints.cli.common import say
 from nanokv.entrypoints.cli.locks import Locks
 from nanokv.entrypoints.cli.records import (
     ERROR, RESULT, check_output_path, errors_path, exit_code, family, iter_records, load_keys, part_files, part_path, record_key)
+from nanokv.fileio import write_durably
 
 
 def finalize(output: str, locks: Locks) -> int:
@@ -56,17 +55,7 @@ def _merge_errors(path: str, done: set[str]) -> int:
         if os.path.exists(path):
             os.remove(path)
         return 0
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".nanokv-errors-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.writelines(errors.values())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
+    write_durably(path, errors.values())
     return len(errors)
 
 
