@@ -541,3 +541,82 @@ def test_at_max_connections_when_every_one_is_being_served_a_new_one_gets_503(ch
             sock.close()
         server.stop()
     assert "Traceback" not in server.read_log()
+
+
+# ---- clients that stop reading -------------------------------------------------------------------
+
+def _long_stream_server(checkpoint, tmp_path, *args: str) -> Server:
+    long_len = 16384  # streams of up to 16k tokens: none ends on its own while a test runs
+    return Server(checkpoint("qwen3-tiny", max_position_embeddings=long_len), "--served-model-name", "tiny",
+                  "--max-model-len", str(long_len), "--kv-cache-memory-bytes", str(128 << 20),
+                  "--shutdown-timeout", "0", *args, log_path=str(tmp_path / "server.log")).start()
+
+
+def _unread_stream(port: int) -> socket.socket:
+    """A connection that sends a long streaming request, reads the start of its answer and
+    then nothing: a small receive buffer, so the server's writes soon back up."""
+    body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": None, "ignore_eos": True, "stream": True,
+                       "n": 2, "logprobs": 5}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: it sets the window
+    sock.settimeout(30)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(request)
+    assert sock.recv(100).startswith(b"HTTP/1.1 200 ")  # being served
+    return sock
+
+
+def _closed_by_server(sock: socket.socket, timeout: float) -> bool:
+    """Whether the server closed the connection: reads what it sent until the end (the
+    server's unsent bytes were dropped, what the kernels hold still arrives)."""
+    try:
+        _read_until_closed(sock, timeout)
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_a_client_that_stops_reading_its_stream_is_dropped_and_its_request_aborted(checkpoint, tmp_path):
+    """A client that sends a streaming request and stops reading held its connection and
+    its request's engine work for good (the app waited on the socket): after
+    --timeout-response-write of paused writes the connection is dropped, the request
+    aborted and its KV blocks freed."""
+    server = _long_stream_server(checkpoint, tmp_path, "--timeout-response-write", "2")
+    sock = None
+    try:
+        sock = _unread_stream(server.port)
+        m = wait_idle(server.url, timeout=120)  # the stream cannot end on its own meanwhile
+        assert successes(m) == 0, {k: v for k, v in m.items() if "success" in k}  # aborted, not finished
+        assert _closed_by_server(sock, 60)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=60, max_retries=0)
+        assert client.completions.create(model="tiny", prompt="Hi", max_tokens=3).usage.completion_tokens == 3
+    finally:
+        if sock is not None:
+            sock.close()
+        server.stop()
+    assert "Traceback" not in server.read_log()
+
+
+def test_at_max_connections_a_client_not_reading_its_stream_makes_room(checkpoint, tmp_path):
+    """At the cap, connections whose clients stopped reading their streams are closed to
+    make room (16 of them gave everyone, /health included, 503 until the streams' end)."""
+    # a write timeout longer than the test: the cap, not the timeout, closes them
+    server = _long_stream_server(checkpoint, tmp_path, "--max-connections", "16", "--timeout-response-write", "600")
+    socks: list[socket.socket] = []
+    try:
+        socks += [_unread_stream(server.port) for _ in range(16)]
+        # /health gets 503 until every stream's writes back up, then closes the oldest
+        deadline = time.monotonic() + 120
+        while httpx.get(server.url + "/health", timeout=30).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        assert _closed_by_server(socks[0], 60)
+    finally:
+        for sock in socks:
+            sock.close()
+        server.stop()
+    assert "Traceback" not in server.read_log()

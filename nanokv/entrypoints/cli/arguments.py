@@ -151,6 +151,10 @@ def _add_serve_parser(sub) -> None:
                       help="seconds a request has to arrive whole (headers and body) from its first byte, or from "
                            "the connection's opening; then the connection is closed (408 when its headers never "
                            "completed)")
+    http.add_argument("--timeout-response-write", type=_positive_float,
+                      default=ServerSettings.timeout_response_write,
+                      help="seconds a response may wait on a client that stopped reading it (the socket's buffers "
+                           "full); then the connection is dropped and its request aborted")
     http.add_argument("--max-connections", type=_positive_int, default=None,
                       help="most open client connections; at the limit a new one closes the oldest not being "
                            "served, or gets 503 (default: what the file descriptor limit allows, raised to the "

@@ -56,6 +56,7 @@ def serve(args) -> int:
             allowed_origins=tuple(args.allowed_origins or ()), max_waiting=args.max_waiting,
             max_response_tokens=args.max_response_tokens, shutdown_timeout=args.shutdown_timeout,
             timeout_keep_alive=args.timeout_keep_alive, timeout_request_read=args.timeout_request_read,
+            timeout_response_write=args.timeout_response_write,
             max_connections=args.max_connections, log_level=args.uvicorn_log_level)
     except ValueError as e:
         raise InputError(str(e)) from None

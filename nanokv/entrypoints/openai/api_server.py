@@ -277,9 +277,11 @@ def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
         llm = AsyncLLM(engine, max_waiting=settings.max_waiting)
         app = build_app(llm, settings)
         # uvicorn's own grace is a backstop: the app ends its requests after shutdown_timeout
-        protocol = guarded_protocol(AutoHTTPProtocol, max_connections, settings.timeout_request_read)
-        logger.info("at most %d connections; a request must arrive within %g s", max_connections,
-                    settings.timeout_request_read)
+        protocol = guarded_protocol(AutoHTTPProtocol, max_connections, settings.timeout_request_read,
+                                    settings.timeout_response_write)
+        logger.info("at most %d connections; a request must arrive within %g s, a client may stop reading its "
+                    "response for %g s", max_connections, settings.timeout_request_read,
+                    settings.timeout_response_write)
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                                 timeout_graceful_shutdown=settings.shutdown_timeout + 10, lifespan="on",
                                 timeout_keep_alive=settings.timeout_keep_alive, http=protocol, backlog=backlog)

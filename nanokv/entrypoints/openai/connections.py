@@ -18,6 +18,13 @@ failed, and every client, /health included, was locked out. So:
 - From its first byte (or from the connection's opening) a request has
   `timeout_request_read` seconds to arrive whole, headers and body; then the connection
   is closed (408 when its headers never completed).
+- A response whose client stops reading it fills the socket's buffers, and the transport
+  pauses the writes (flow control): the app waits on the client, the request holds its
+  engine work and KV blocks, and the connection its slot, for good. A connection whose
+  writes stay paused for `timeout_response_write` seconds is dropped (its unsent bytes
+  discarded): the app sees a disconnect and aborts the request. At the cap such stalled
+  connections are closed last, after those with no request under way and those whose
+  body is still arriving.
 
 The protocol is uvicorn's own (h11, or httptools when installed) with these hooks on top.
 """
@@ -104,13 +111,17 @@ def _raw_response(status: int, reason: str, message: str, headers: str = "") -> 
             f"content-length: {len(body)}\r\n\r\n").encode() + body
 
 
-def guarded_protocol(base: type[asyncio.Protocol], max_connections: int, read_timeout: float) -> type:
-    """`base` (a uvicorn HTTP protocol class) with the read deadline and the connection cap."""
+def guarded_protocol(base: type[asyncio.Protocol], max_connections: int, read_timeout: float,
+                     write_timeout: float) -> type:
+    """`base` (a uvicorn HTTP protocol class) with the read and write deadlines and the
+    connection cap."""
     # connections not being served, oldest first: the ones a new connection may close at
     # the cap. idle: no request under way (none yet, its headers still arriving, or idle
-    # after a response); arriving: the headers came, the body is still coming
+    # after a response); arriving: the headers came, the body is still coming; stalled:
+    # the client does not read what is sent to it (writes paused)
     idle: collections.OrderedDict = collections.OrderedDict()
     arriving: collections.OrderedDict = collections.OrderedDict()
+    stalled: collections.OrderedDict = collections.OrderedDict()
     timed_out = _raw_response(408, "Request Timeout", f"the request did not arrive whole within {read_timeout:g} s "
                               "(--timeout-request-read); send it again")
     full = _raw_response(503, "Service Unavailable", f"the server is at its {max_connections} connections "
@@ -119,6 +130,7 @@ def guarded_protocol(base: type[asyncio.Protocol], max_connections: int, read_ti
     class Guarded(base):
         def connection_made(self, transport) -> None:
             self._deadline: asyncio.TimerHandle | None = None
+            self._write_deadline: asyncio.TimerHandle | None = None
             self._whole = None  # the last request cycle that arrived whole
             super().connection_made(transport)
             if len(self.connections) > max_connections and not self._make_room():
@@ -143,8 +155,35 @@ def guarded_protocol(base: type[asyncio.Protocol], max_connections: int, read_ti
         def connection_lost(self, exc) -> None:
             idle.pop(self, None)
             arriving.pop(self, None)
+            stalled.pop(self, None)
             self._disarm()
+            if self._write_deadline is not None:
+                self._write_deadline.cancel()
+                self._write_deadline = None
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:  # the transport's buffer is past its high-water mark
+            super().pause_writing()
+            if self._write_deadline is None:
+                self._write_deadline = self.loop.call_later(write_timeout, self._write_timed_out)
+            stalled[self] = None
+
+        def resume_writing(self) -> None:  # the client read enough of it
+            super().resume_writing()
+            stalled.pop(self, None)
+            if self._write_deadline is not None:
+                self._write_deadline.cancel()
+                self._write_deadline = None
+
+        def _write_timed_out(self) -> None:
+            self._write_deadline = None
+            for waiting in (idle, arriving, stalled):
+                waiting.pop(self, None)
+            logger.info("closing a connection whose client read none of its response for %g s "
+                        "(--timeout-response-write)", write_timeout)
+            # close() would wait to send the buffered bytes to a client that does not read
+            # them (also once closing: a keep-alive timeout or a `connection: close` response)
+            self.transport.abort()
 
         def _track(self) -> None:
             cycle = self.cycle
@@ -166,9 +205,14 @@ def guarded_protocol(base: type[asyncio.Protocol], max_connections: int, read_ti
                 idle.move_to_end(self)
 
         def _make_room(self) -> bool:
-            for waiting in (idle, arriving):
+            for waiting in (idle, arriving, stalled):
                 while waiting:
                     oldest, _ = waiting.popitem(last=False)
+                    if oldest.flow.write_paused:  # close() would wait on a client that does not read
+                        logger.debug("at %d connections: dropping the oldest one not reading its response",
+                                     max_connections)
+                        oldest.transport.abort()
+                        return True
                     if not oldest.transport.is_closing():
                         logger.debug("at %d connections: closing the oldest one not being served", max_connections)
                         oldest.transport.close()

@@ -31,6 +31,10 @@ class ServerSettings:
     # seconds a request has to arrive whole (headers and body) from its first byte, or from
     # the connection's opening; then the connection is closed (connections.py)
     timeout_request_read: float = 30.0
+    # seconds a response may wait on a client that does not read it (the connection's
+    # writes paused by flow control); then the connection is dropped and its request
+    # aborted (connections.py)
+    timeout_response_write: float = 30.0
     max_connections: int | None = None  # None: as many as the file descriptor limit allows (connections.py)
     log_level: str = "info"  # uvicorn's
 
