@@ -150,3 +150,30 @@ def test_tp2_with_bfloat16_and_int8_weights(checkpoint, kwargs):
         return
     same = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for (x, _), (y, _) in zip(got, expected))
     assert same >= 0.6 * sum(MAX_TOKENS), (got, expected)
+
+
+def test_a_failed_step_keeps_its_exception_text_out_of_the_engines_reason(checkpoint, monkeypatch, caplog):
+    """The reason a dead engine gives reaches the server's clients (503 bodies, /health):
+    the exception's text (paths, addresses, shapes) goes to the log only."""
+    from nanokv.executor import multiproc
+
+    llm = LLM(checkpoint("qwen3-tiny"), tensor_parallel_size=2)
+    try:
+        generate(llm)
+        secret = "[/home/alice/models/x.gguf]:1234 peer 10.0.0.7 closed"
+
+        def broken(packed):
+            raise RuntimeError(f"gloo: {secret}\nmore detail")
+
+        monkeypatch.setattr(multiproc, "send_step", broken)
+        with caplog.at_level("ERROR", logger="nanokv"):
+            with pytest.raises(RuntimeError, match="tensor-parallel step failed.*RuntimeError.*create a new LLM") \
+                    as info:
+                generate(llm)
+        assert secret not in str(info.value) and "gloo" not in str(info.value)
+        assert secret in caplog.text  # the log keeps it
+        with pytest.raises(RuntimeError, match="create a new LLM") as again:  # and the engine stays dead
+            generate(llm)
+        assert secret not in str(again.value)
+    finally:
+        llm.close()

@@ -76,9 +76,11 @@ class TensorParallelExecutor(Executor):
                 time.sleep(0.05)
             self.check_workers()
             self.close()
-            first = str(e).splitlines()[0] if str(e) else ""
-            raise EngineDeadError(f"a tensor-parallel step failed ({type(e).__name__}: {first}); the engine "
-                                  "cannot continue, create a new LLM") from e
+            # the reason reaches clients (the server's 503 bodies, /health): the exception's
+            # text (paths, shapes, gloo's peers) stays in the log and in __cause__
+            logger.error("a tensor-parallel step failed", exc_info=e)
+            raise EngineDeadError(f"a tensor-parallel step failed on an internal error ({type(e).__name__}; the "
+                                  "log has the details); the engine cannot continue, create a new LLM") from e
         return runner.sample(logits, batch)
 
     def check_workers(self) -> None:
