@@ -532,23 +532,51 @@ class _Readers(threading.Thread):
                         sel.unregister(key.fileobj)
 
 
+def _long_stream_server(checkpoint, tmp_path, *args: str) -> Server:
+    long_len = 16384  # streams of up to 16k tokens: none ends on its own while a test runs
+    return Server(checkpoint("qwen3-tiny", max_position_embeddings=long_len), "--served-model-name", "tiny",
+                  "--max-model-len", str(long_len), "--kv-cache-memory-bytes", str(128 << 20),
+                  "--shutdown-timeout", "0", *args, log_path=str(tmp_path / "server.log")).start()
+
+
+def _long_stream(port: int, receive_buffer: int | None = None, **fields) -> socket.socket:
+    """A connection that sends a long streaming request and has read the status line of its
+    answer (it is being served); receive_buffer set before connecting sets the window."""
+    body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": None, "ignore_eos": True, "stream": True,
+                       **fields}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if receive_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.settimeout(30)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(request)
+    assert sock.recv(100).startswith(b"HTTP/1.1 200 ")
+    return sock
+
+
+def _unread_stream(port: int) -> socket.socket:
+    """A long stream whose client then reads nothing: a small receive buffer, so the
+    server's writes soon back up."""
+    return _long_stream(port, receive_buffer=4096, n=2, logprobs=5)
+
+
+def _wait_healthy(url: str, timeout: float) -> int:
+    """Poll /health until it answers 200 or `timeout` passes; its last status."""
+    deadline = time.monotonic() + timeout
+    while (status := httpx.get(url + "/health", timeout=30).status_code) != 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return status
+
+
 def test_at_max_connections_when_every_one_is_being_served_a_new_one_gets_503(checkpoint, tmp_path):
     # 16 streams of up to 16k tokens each, read as they come: they cannot end while the
     # test runs, so each connection is being served
-    long_len = 16384
-    server = Server(checkpoint("qwen3-tiny", max_position_embeddings=long_len), "--served-model-name", "tiny",
-                    "--max-model-len", str(long_len), "--kv-cache-memory-bytes", str(128 << 20),
-                    "--max-connections", "16", "--shutdown-timeout", "0", log_path=str(tmp_path / "server.log")).start()
-    body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": None, "ignore_eos": True,
-                       "stream": True}).encode()
-    request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    server = _long_stream_server(checkpoint, tmp_path, "--max-connections", "16")
     socks: list[socket.socket] = []
     try:
-        for _ in range(16):
-            socks.append(socket.create_connection(("127.0.0.1", server.port), timeout=30))
-            socks[-1].sendall(request)
-            assert socks[-1].recv(100).startswith(b"HTTP/1.1 200 ")
+        socks += [_long_stream(server.port) for _ in range(16)]
         readers = _Readers(socks)
         readers.start()
         try:
@@ -562,10 +590,7 @@ def test_at_max_connections_when_every_one_is_being_served_a_new_one_gets_503(ch
         assert b"--max-connections" in answer
         for sock in socks:
             sock.close()
-        deadline = time.monotonic() + 60  # the closed streams are aborted, their slots freed
-        while httpx.get(server.url + "/health", timeout=30).status_code != 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        assert _wait_healthy(server.url, 60) == 200  # the closed streams are aborted, their slots freed
     finally:
         for sock in socks:
             sock.close()
@@ -574,29 +599,6 @@ def test_at_max_connections_when_every_one_is_being_served_a_new_one_gets_503(ch
 
 
 # ---- clients that stop reading -------------------------------------------------------------------
-
-def _long_stream_server(checkpoint, tmp_path, *args: str) -> Server:
-    long_len = 16384  # streams of up to 16k tokens: none ends on its own while a test runs
-    return Server(checkpoint("qwen3-tiny", max_position_embeddings=long_len), "--served-model-name", "tiny",
-                  "--max-model-len", str(long_len), "--kv-cache-memory-bytes", str(128 << 20),
-                  "--shutdown-timeout", "0", *args, log_path=str(tmp_path / "server.log")).start()
-
-
-def _unread_stream(port: int) -> socket.socket:
-    """A connection that sends a long streaming request, reads the start of its answer and
-    then nothing: a small receive buffer, so the server's writes soon back up."""
-    body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": None, "ignore_eos": True, "stream": True,
-                       "n": 2, "logprobs": 5}).encode()
-    request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: it sets the window
-    sock.settimeout(30)
-    sock.connect(("127.0.0.1", port))
-    sock.sendall(request)
-    assert sock.recv(100).startswith(b"HTTP/1.1 200 ")  # being served
-    return sock
-
 
 def _closed_by_server(sock: socket.socket, timeout: float) -> bool:
     """Whether the server closed the connection: reads what it sent until the end (the
@@ -639,13 +641,10 @@ def test_at_max_connections_a_client_not_reading_its_stream_makes_room(checkpoin
     socks: list[socket.socket] = []
     try:
         socks += [_unread_stream(server.port) for _ in range(16)]
-        # /health gets 503 until every stream's writes back up, then closes the oldest
-        deadline = time.monotonic() + 120
-        while httpx.get(server.url + "/health", timeout=30).status_code != 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        # /health gets 503 until every stream's writes back up, then closes the oldest;
         # only a stalled stream could make room: the first whose writes backed up (its
         # client cannot tell without reading, which would let the others' streams go on)
-        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        assert _wait_healthy(server.url, 120) == 200
     finally:
         for sock in socks:
             sock.close()
