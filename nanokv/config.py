@@ -279,7 +279,7 @@ def load_hf_config(model: str):
     """The checkpoint's transformers config; ValueError when `model` is no model directory."""
     from transformers import AutoConfig
 
-    from nanokv import gguf
+    import nanokv.gguf as gguf
 
     if (gguf_file := gguf.find_gguf(model)) is not None:
         return gguf.load_config(gguf_file)
@@ -355,7 +355,7 @@ def _resolve_weights(dtype: torch.dtype, device: torch.device, quantization, qua
     activations, accumulation and KV cache; int8 (quantization) means int8 projection weights
     (and LM head, with quantize_lm_head) under float32 activations. Without the kernels
     bfloat16 runs the torch path in bfloat16, and int8 is refused."""
-    from nanokv import kernels
+    import nanokv.kernels as kernels
 
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; nanokv supports quantization='int8' (CPU) "

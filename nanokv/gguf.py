@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from nanokv.kernels import build
+import nanokv.kernels.build as build
 
 logger = logging.getLogger("nanokv")
 

@@ -364,7 +364,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.tx
 def load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
-    from nanokv import gguf
+    import nanokv.gguf as gguf
 
     if (gguf_file := gguf.find_gguf(model)) is not None:
         return gguf.load_tokenizer(gguf_file)

@@ -9,29 +9,32 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "nanokv"
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def import_graph() -> dict[str, set[str]]:
-    """module -> the nanokv modules it imports (a name imported from a package counts as
-    the submodule when there is one)."""
-    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """module -> the nanokv modules it imports. `from P import x` reads P's namespace, so
+    it depends on P (P's __init__, which may still be running when a module P imports
+    reads it back: the cycle this test exists to catch), and on P.x too when x is a
+    submodule; `import P.x` depends on P.x only."""
+    files = {module_name(p, root): p for p in root.rglob("*.py")}
+    top = root.name
     graph = {}
     for mod, path in files.items():
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names if a.name.split(".")[0] == "nanokv"}
+                deps |= {a.name for a in node.names if a.name.split(".")[0] == top}
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
                     parent = package.split(".")[:len(package.split(".")) - node.level + 1]
                     base = ".".join(parent + ([base] if base else []))
-                if base.split(".")[0] == "nanokv":
-                    deps |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names}
+                if base.split(".")[0] == top:
+                    deps |= {base} | {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in files}
         graph[mod] = {d for d in deps if d in files and d != mod}
     return graph
 
@@ -67,6 +70,19 @@ def test_the_package_has_no_import_cycle():
 def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_a_module_reading_its_own_package_is_a_cycle(tmp_path):
+    """kernels/__init__ imported ffi, and ffi read `from nanokv.kernels import build` back
+    out of the half-initialised package: a cycle, whether or not `build` is a submodule."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from pkg.ffi import lib\n")
+    (pkg / "build.py").write_text("")
+    (pkg / "ffi.py").write_text("from pkg import build\nlib = build\n")
+    assert find_cycle(import_graph(pkg)) == ["pkg", "pkg.ffi", "pkg"]
+    (pkg / "ffi.py").write_text("import pkg.build as build\nlib = build\n")
+    assert find_cycle(import_graph(pkg)) is None
 
 
 def test_layering():

@@ -26,7 +26,7 @@ def _cpu_kernels_fit(device: torch.device, dtype: torch.dtype, head_dim: int) ->
     """Whether the C attention kernel suits the model and could build: a compiler is
     looked up, nothing compiled (the model's build does that, and falls back to torch
     should it fail: layers/custom_op.py)."""
-    from nanokv import kernels
+    import nanokv.kernels as kernels
 
     return (device.type == "cpu" and dtype == torch.float32 and head_dim % 8 == 0 and head_dim <= 512
             and kernels.can_build())

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanokv import kernels
+import nanokv.kernels as kernels
 from nanokv.attention.base import AttentionBackend, AttentionMetadata, store_kv
 
 

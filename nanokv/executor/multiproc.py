@@ -10,7 +10,7 @@ import signal
 import time
 import weakref
 
-from nanokv import distributed as tpd
+import nanokv.distributed as tpd
 from nanokv.config import EngineConfig
 from nanokv.distributed import TP
 from nanokv.engine.types import EngineDeadError, ScheduledBatch, StepOutput

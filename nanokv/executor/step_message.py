@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from nanokv import distributed as tpd
+import nanokv.distributed as tpd
 from nanokv.runner.inputs import PackedStep, StepSizes
 
 OP_SHUTDOWN, OP_STEP = 0, 1

@@ -8,7 +8,7 @@ import signal
 
 import torch
 
-from nanokv import distributed as tpd
+import nanokv.distributed as tpd
 from nanokv.distributed import TP
 from nanokv.executor.step_message import receive_step
 from nanokv.runner.model_runner import ModelRunner

@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import torch
 
-from nanokv.kernels import build
+import nanokv.kernels.build as build
 
 logger = logging.getLogger("nanokv")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanokv import kernels
+import nanokv.kernels as kernels
 from nanokv.layers.activation import SILU_NAMES, check_activation
 
 logger = logging.getLogger("nanokv")

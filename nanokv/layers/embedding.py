@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanokv.distributed import TP
-from nanokv import kernels
+import nanokv.kernels as kernels
 from nanokv.layers.custom_op import CustomOp
 from nanokv.layers.linear import _Matmul, _check_shape
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanokv import kernels
+import nanokv.kernels as kernels
 from nanokv.distributed import TP
 from nanokv.layers.custom_op import CustomOp
 

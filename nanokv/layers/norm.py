@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanokv import kernels
+import nanokv.kernels as kernels
 from nanokv.layers.custom_op import CustomOp
 
 

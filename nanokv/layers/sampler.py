@@ -42,8 +42,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from nanokv import kernels
-from nanokv.kernels import ops
+import nanokv.kernels as kernels
+import nanokv.kernels.ops as ops
 
 CANDIDATES = 64  # tokens sorted per row when top_k is off (SmolLM2 at T 0.8: 88% of nuclei fit)
 _CHUNK_BYTES = 4 << 20  # CPU: rows of token weights per chunk

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanokv import kernels
+import nanokv.kernels as kernels
 from nanokv.attention.base import AttentionMetadata
 from nanokv.config import model_head_dim
 from nanokv.distributed import TP

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from nanokv import kernels
+import nanokv.kernels as kernels
 from nanokv.attention.base import PARAM_DTYPE
 
 from nanokv.config import EngineConfig
