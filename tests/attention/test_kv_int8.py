@@ -176,6 +176,7 @@ def test_c_kernels_on_int8_pages_match_torch_ref(case, width, monkeypatch):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.triton
 @pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["single-pass", "split-kv"])
 @pytest.mark.parametrize("case", ["mixed-gqa4-d32-bs5", "mqa-d80-bs1", "decode-gqa3-d128-bs16"])
@@ -291,6 +292,7 @@ def test_int8_attention_output_does_not_depend_on_how_the_steps_are_cut(case, ba
         assert torch.equal(got, want), (cuts, (got - want).abs().amax((2, 3)).nonzero().tolist())
 
 
+@pytest.mark.triton
 @pytest.mark.skipif(not INTERPRET, reason="compiled Triton kernels (CUDA) choose split-KV and tiles by the batch: "
                     "not promised there (README)")
 @pytest.mark.parametrize("case", ["gqa3-d64-bs16", "mqa-d24-bs3"])
@@ -475,6 +477,7 @@ def test_int8_outputs_do_not_depend_on_prefix_hits_or_chunk_boundaries(checkpoin
                 assert _tokens_and_logprobs(chunked, prompts) == want, (budget, "warm")
 
 
+@pytest.mark.triton
 @pytest.mark.skipif(not INTERPRET, reason="the end-to-end interpreter run stands in for CUDA here")
 def test_triton_int8_end_to_end_matches_torch_int8(model_dir):
     pytest.importorskip("triton")

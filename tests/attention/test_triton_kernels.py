@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.triton
 pytest.importorskip("triton")
 
 from nanokv import LLM, SamplingParams  # noqa: E402

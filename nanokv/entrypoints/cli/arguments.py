@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_serve_parser(sub) -> None:
-    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install 'nanokv[serve]')",
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                          description="Serve a model over HTTP with OpenAI's API: /v1/completions, "
                                      "/v1/chat/completions, /v1/models, /health, /metrics.")

@@ -1,17 +1,30 @@
-"""`nanokv serve`: check the server extra, turn the flags into EngineArgs and
+"""`nanokv serve`: check the server's packages are there, turn the flags into EngineArgs and
 ServerSettings, and run the server (nanokv/entrypoints/openai/api_server.py)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import logging
 import os
+import re
 
 from nanokv.config import DEFAULT_MODEL, EngineArgs
 from nanokv.entrypoints.cli.common import EXIT_USAGE, InputError, say
 
 API_KEY_ENV = "NANOKV_API_KEY"  # the key when --api-key is not given
 _SERVER_MODULES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
+
+
+def server_requirements(packages: list[str]) -> list[str]:
+    """The packages' requirement strings as nanokv's metadata declares them (one source:
+    pyproject.toml); a bare name where nanokv's metadata cannot be read."""
+    try:
+        declared = importlib.metadata.requires("nanokv") or []
+    except importlib.metadata.PackageNotFoundError:
+        declared = []
+    by_name = {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower(): r.split(";")[0].strip() for r in declared}
+    return [by_name.get(p.lower(), p) for p in packages]
 
 
 def missing_server_packages() -> list[str]:
@@ -29,7 +42,8 @@ def missing_server_packages() -> list[str]:
 def serve(args) -> int:
     missing = missing_server_packages()
     if missing:
-        say(f"nanokv serve: error: the server needs {', '.join(missing)}: pip install 'nanokv[serve]'")
+        say(f"nanokv serve: error: the server needs {', '.join(missing)}, which nanokv installs: "
+            f"pip install {' '.join(repr(r) for r in server_requirements(missing))}")
         return EXIT_USAGE
     model = args.model_tag if args.model_tag is not None else args.model
     if args.model_tag is not None and args.model not in (DEFAULT_MODEL, args.model_tag):

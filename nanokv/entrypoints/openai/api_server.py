@@ -30,8 +30,8 @@ try:
     from starlette.responses import Response
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 except ImportError as e:  # pragma: no cover - the message is the point
-    raise ImportError(f"nanokv serve needs the server extra ({e.name} is missing): "
-                      "pip install 'nanokv[serve]'") from e
+    raise ImportError(f"nanokv serve needs {e.name}, which nanokv installs (pip install -e . in the repository, "
+                      "or pip install nanokv)") from e
 
 import nanokv
 from nanokv.async_llm import AsyncLLM
