@@ -120,7 +120,7 @@ def step_attention(args) -> None:
     against the device's measured copy bandwidth, single pass and every split count."""
     import torch
 
-    import bench
+    from benchmarks.roofline import measured_copy_bandwidth
     from nanokv.attention import triton_kernels as tk
 
     s, dev = sizes(args.dry_run), device(args.dry_run)
@@ -128,7 +128,7 @@ def step_attention(args) -> None:
     hkv, d = s["heads"][1:]
     bs = 16
     sms = s["num_sms"] or torch.cuda.get_device_properties(dev).multi_processor_count
-    copy = bench.measured_copy_bandwidth(dev)
+    copy = measured_copy_bandwidth(dev)
     say(f"copy bandwidth (read + write): {copy / 1e9:,.0f} GB/s")
     most = max(b * -(-ctx // bs) for b, ctx in s["points"])
     g = torch.Generator(device=dev).manual_seed(0)

@@ -3,25 +3,26 @@ report's ratios, token counts and roofline are filled in (timings are never asse
 
 from __future__ import annotations
 
-import pytest
-
+import argparse
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+
 pytestmark = pytest.mark.slow  # subprocesses / whole benchmark runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+try:
+    from benchmarks import engines, micro, workloads  # noqa: E402
+finally:
+    sys.path.remove(ROOT)
 
 
 def test_bench_reports_nanokv_and_hf_side_by_side(model_dir):
-    sys.path.insert(0, ROOT)
-    try:
-        import bench
-    finally:
-        sys.path.remove(ROOT)
-    expected = sum(r.max_tokens for r in bench.make_workload("tiny", 1024))
+    expected = sum(r.max_tokens for r in workloads.make_workload("tiny", 1024))
     out = subprocess.run([sys.executable, "bench.py", "--workload", "tiny", "--model", model_dir, "--engines",
                           "nanokv,hf", "--hf-batch-sizes", "4,8", "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -43,18 +44,13 @@ def test_kv_cache_dtype_rows_and_the_long_workload(model_dir):
     """--kv-cache-dtype auto,int8: one nanokv row each, in one byte budget, each reporting
     its pool's token capacity (from the byte formula), bytes per token and peak concurrent
     sequences; the int8 pool holds more tokens."""
-    sys.path.insert(0, ROOT)
-    try:
-        import bench
-    finally:
-        sys.path.remove(ROOT)
-    long = bench.WORKLOADS["long"]
+    long = workloads.WORKLOADS["long"]
     assert long["prompt"][0] >= 1024 and long["output"][0] >= long["prompt"][1] / 4  # long, and decode-heavy
-    args = bench.argparse.Namespace(dtype="float32", quantization="none", kv_cache_dtype="auto,int8",
+    args = argparse.Namespace(dtype="float32", quantization="none", kv_cache_dtype="auto,int8",
                                     cpu_width="native")
-    assert [v.label for v in bench.nanokv_variants(args)] == ["nanokv", "nanokv kv int8"]
+    assert [v.label for v in engines.nanokv_variants(args)] == ["nanokv", "nanokv kv int8"]
     with pytest.raises(ValueError, match="kv-cache-dtype"):
-        bench.nanokv_variants(bench.argparse.Namespace(dtype="float32", quantization="none",
+        engines.nanokv_variants(argparse.Namespace(dtype="float32", quantization="none",
                                                        kv_cache_dtype="int4", cpu_width="native"))
     budget = 4 << 20
     out = subprocess.run([sys.executable, "bench.py", "--workload", "tiny", "--model", model_dir, "--engines",
@@ -76,19 +72,14 @@ def test_kv_cache_dtype_rows_and_the_long_workload(model_dir):
 
 
 def test_workload_overrides():
-    sys.path.insert(0, ROOT)
-    try:
-        import bench
-    finally:
-        sys.path.remove(ROOT)
-    spec = bench.workload_spec("cpu", num_requests=5, prompt="300-400", output="7")
+    spec = workloads.workload_spec("cpu", num_requests=5, prompt="300-400", output="7")
     assert spec == dict(num_requests=5, prompt=(300, 400), output=(7, 7))
-    reqs = bench.make_workload(spec, 1000)
+    reqs = workloads.make_workload(spec, 1000)
     assert len(reqs) == 5 and all(300 <= len(r.prompt) <= 400 and r.max_tokens == 7 for r in reqs)
-    assert bench.workload_spec("cpu") == bench.WORKLOADS["cpu"]
+    assert workloads.workload_spec("cpu") == workloads.WORKLOADS["cpu"]
     for bad in ("0-5", "9-3", "x", "1-y"):
         try:
-            bench.workload_spec("cpu", prompt=bad)
+            workloads.workload_spec("cpu", prompt=bad)
         except ValueError as e:
             assert "--prompt-lens" in str(e)
         else:
@@ -98,14 +89,9 @@ def test_workload_overrides():
 def test_bench_greedy_and_sampled_chat_workloads_side_by_side(model_dir):
     """Two workloads in one run: the greedy random-token one and the sampled chat one
     (shared system prompt, so nanokv hits its prefix cache), every engine on each."""
-    sys.path.insert(0, ROOT)
-    try:
-        import bench
-    finally:
-        sys.path.remove(ROOT)
     from transformers import AutoTokenizer
 
-    chat = bench.make_workload("chat-tiny", 1024, tokenizer=AutoTokenizer.from_pretrained(model_dir))
+    chat = workloads.make_workload("chat-tiny", 1024, tokenizer=AutoTokenizer.from_pretrained(model_dir))
     assert len({r.seed for r in chat}) == len(chat) and len({tuple(r.prompt) for r in chat}) > 1
     out = subprocess.run([sys.executable, "bench.py", "--workload", "tiny,chat-tiny", "--model", model_dir,
                           "--engines", "nanokv,hf,hf-cb", "--hf-batch-sizes", "4", "--repeats", "1",
@@ -114,8 +100,8 @@ def test_bench_greedy_and_sampled_chat_workloads_side_by_side(model_dir):
     assert out.returncode == 0, out.stderr[-2000:]
     greedy, sampled = json.loads(out.stdout)["workloads"]
     assert (greedy["workload"], greedy["sampling"]) == ("tiny", "greedy")
-    assert (sampled["workload"], sampled["sampling"]) == ("chat-tiny", bench.SAMPLING)
-    for report, reqs in ((greedy, bench.make_workload("tiny", 1024)), (sampled, chat)):
+    assert (sampled["workload"], sampled["sampling"]) == ("chat-tiny", workloads.SAMPLING)
+    for report, reqs in ((greedy, workloads.make_workload("tiny", 1024)), (sampled, chat)):
         rows = {r["engine"]: r for r in report["results"]}
         assert set(rows) == {"nanokv", "HF generate", "HF continuous batching"}
         expected = sum(r.max_tokens for r in reqs)
@@ -126,27 +112,13 @@ def test_bench_greedy_and_sampled_chat_workloads_side_by_side(model_dir):
 
 
 def test_chat_workload_refuses_prompt_lengths():
-    sys.path.insert(0, ROOT)
     try:
-        import bench
-    finally:
-        sys.path.remove(ROOT)
-    try:
-        bench.workload_spec("chat", prompt="10-20")
+        workloads.workload_spec("chat", prompt="10-20")
     except ValueError as e:
         assert "rendered conversations" in str(e)
     else:
         raise AssertionError("accepted --prompt-lens for a chat workload")
-    assert bench.workload_spec("chat", num_requests=3, output="5") == dict(num_requests=3, output=(5, 5), chat=True)
-
-
-def import_bench():
-    sys.path.insert(0, ROOT)
-    try:
-        import bench
-    finally:
-        sys.path.remove(ROOT)
-    return bench
+    assert workloads.workload_spec("chat", num_requests=3, output="5") == dict(num_requests=3, output=(5, 5), chat=True)
 
 
 def test_micro_host_time_reports_every_phase_per_context(capsys):
@@ -154,8 +126,7 @@ def test_micro_host_time_reports_every_phase_per_context(capsys):
     every phase measured (timings themselves are never asserted)."""
     import torch
 
-    bench = import_bench()
-    result = bench.micro_host_time(torch.device("cpu"), num_seqs=6, context_lens=(5, 40), steps=3, warmup=1)
+    result = micro.micro_host_time(torch.device("cpu"), num_seqs=6, context_lens=(5, 40), steps=3, warmup=1)
     assert [r["context"] for r in result["rows"]] == [5, 40]
     phases = ("schedule", "prepare", "plan", "sample", "update")
     for row in result["rows"]:
@@ -164,7 +135,7 @@ def test_micro_host_time_reports_every_phase_per_context(capsys):
         assert row["mean_step_ms"] > 0
     table = capsys.readouterr().out
     assert "| context | schedule | prepare |" in table and "| mean step (ms) |" in table and "| 40 |" in table
-    assert list(bench.MICRO_SECTIONS) == ["host_time", "sampler"]
+    assert list(micro.MICRO_SECTIONS) == ["host_time", "sampler"]
 
 
 def test_micro_reports_the_sampler_per_mode(model_dir):
@@ -172,14 +143,13 @@ def test_micro_reports_the_sampler_per_mode(model_dir):
     model's logits, with greedy as the unit (timings are never asserted)."""
     import torch
 
-    bench = import_bench()
     out = subprocess.run([sys.executable, "bench.py", "--micro", "--micro-sections", "sampler", "--model", model_dir,
                           "--micro-vocabs", "1024,3000", "--micro-repeats", "1", "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert list(json.loads(out.stdout)) == ["sampler"]
     reports = json.loads(out.stdout)["sampler"]
-    modes = [name for name, _ in bench.MICRO_SAMPLER_MODES]
+    modes = [name for name, _ in micro.MICRO_SAMPLER_MODES]
     assert [(r["vocab"], r["logits"]) for r in reports] == [(v, k) for v in (1024, 3000)
                                                             for k in ("random normal", model_dir)]
     for r in reports:
@@ -187,6 +157,6 @@ def test_micro_reports_the_sampler_per_mode(model_dir):
         assert r["vs_greedy"]["greedy"] == 1.0 and r["rows"] == 256
 
     small = torch.randn(4, 100, generator=torch.Generator().manual_seed(0))
-    wide = bench.fit_vocab(small, 250)  # the added tokens are rare ones: the top stays the same
+    wide = micro.fit_vocab(small, 250)  # the added tokens are rare ones: the top stays the same
     assert wide.shape == (4, 250)
     assert torch.equal(wide.topk(5).values, small.topk(5).values)
