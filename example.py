@@ -21,7 +21,7 @@ QUESTIONS = [
     "What is the capital of France?",
     "Give me three tips for staying focused while studying.",
     "Why is the sky blue? Answer in two sentences.",
-    "Write a haiku about autumn leaves.",
+    "Write a haiku about the moon.",
 ]
 
 
@@ -29,7 +29,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2",
                         help="a built-in name (smollm2), a .gguf file or a Hugging Face model directory")
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=256,
+                        help="per answer; large enough that the default model's answers end on their own")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--device", default="auto")
     args = parser.parse_args()
@@ -50,11 +51,12 @@ def main() -> None:
         print(f"=== {title}")
         start = time.perf_counter()
         outputs = llm.chat(conversations, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         for question, out in zip(QUESTIONS, outputs):
             answer = out.outputs[0]
             print(f"user: {question}\nassistant: {answer.text.strip()}  [{answer.finish_reason}]\n")
-        print(f"({tokens} tokens in {time.perf_counter() - start:.1f} s)\n")
+        print(f"({tokens} tokens in {seconds:.1f} s: {tokens / seconds:.1f} tokens/s, prompts included in the time)\n")
 
 
 if __name__ == "__main__":
