@@ -80,8 +80,8 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     float16; int8 rounds (x - zero) / scale to nearest even (|q| <= 127), fp8 casts it to
     e4m3. Rounding zero first and measuring the range from it keeps |q| <= QMAX (the scale's
     own rounding moves the largest |q| by < 0.07, which rounds away). A constant head gets
-    scale 0, q 0 and is exact. The C store (cpu.c's quantize_kv_row) and the Triton one
-    compute the same bits."""
+    scale 0, q 0 and is exact. The C store (kernels/csrc/kv_store.c's quantize_kv_row) and
+    the Triton one compute the same bits."""
     xf = x.float()
     zero = ((xf.amax(-1) + xf.amin(-1)) / 2).to(PARAM_DTYPE).float()  # [T, H]
     centred = xf - zero[..., None]

@@ -1,5 +1,5 @@
-"""CPU paged attention in C (nanokv/kernels/cpu.c): every query token reads its keys and
-values in place through the block table, once; no page gather, no padding.
+"""CPU paged attention in C (nanokv/kernels/csrc/attention.c): every query token reads its
+keys and values in place through the block table, once; no page gather, no padding.
 
 A prefill token at position p is simply a query that sees the first p + 1 cached tokens
 of its sequence (its own K/V are written to the cache first), so decodes, prefill chunks

@@ -1,14 +1,17 @@
-"""CPU kernels in C (cpu.c), compiled at first use and called through ctypes.
+"""CPU kernels in C (csrc/), compiled at first use into one library and called through ctypes.
 
 Why C: on a few CPU cores the decode step is dominated by things torch does poorly at
 small batch sizes: GEMMs with a handful of rows (the BLAS repacks the weights on every
 call), paged attention (a page gather copies the KV cache before SDPA reads it again) and
-per-op dispatch (dozens of small ops per layer). cpu.c does them directly: GEMMs on
+per-op dispatch (dozens of small ops per layer). The kernels do them directly: GEMMs on
 weights packed once at load time, attention that reads each page in place through the
 block table, fused norm/rotary/activation passes, and a whole decoder layer per call.
 
-    build.py         the compiler, the cache directory (keyed by source, flags, compiler
-                     and CPU, the way Triton caches its kernels) and the build
+    csrc/            the C sources, one file per topic (gemm.c, gemm_int8.c, attention.c,
+                     norm_rope.c, kv_store.c, sampler.c, layer.c) behind simd.h (vector
+                     width, ISA mappings) and common.h (entry points, shared structs)
+    build.py         the compiler, the cache directory (keyed by every source file, flags,
+                     compiler and CPU, the way Triton caches its kernels) and the build
     ffi.py           ctypes: loading the library, argument types, the NkLayer/NkStep structs
     ops.py           the Python wrappers: packing, GEMMs, attention, norms, a decoder layer
     fused_layers.py  a model's decoder layers as one C call each (built by the model when

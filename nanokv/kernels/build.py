@@ -1,10 +1,12 @@
-"""Building cpu.c: the compiler, the cache directory and the key a build is cached under.
+"""Building the C kernels: the compiler, the cache directory and the key a build is cached under.
 
-The shared library is built with the machine's C compiler (`cc -O3 -march=native
--fopenmp`) into a cache directory keyed by the source, the flags, the compiler and the
-CPU, the way Triton caches its kernels. An entry is trusted only when its bytes match the
-manifest written beside it at build time (its name, size and sha256); anything else is
-built again (see build()), and ffi loads the checked bytes themselves.
+The kernels' sources are the files of csrc/ (one .c file per topic behind small shared
+headers; csrc/common.h lists them), compiled together by the machine's C compiler (`cc -O3
+-march=native -fopenmp`) into one shared library, in a cache directory keyed by every
+source and header file's bytes, the flags, the compiler and the CPU, the way Triton caches
+its kernels. An entry is trusted only when its bytes match the manifest written beside it
+at build time (its name, size and sha256); anything else is built again (see build()), and
+ffi loads the checked bytes themselves.
 
 Variants (each built and cached on its own): the vector width, 16 floats where the compiler
 targets AVX-512 and 8 otherwise unless NANOKV_CPU_WIDTH (or `width`) forces 8 or 16, so
@@ -35,7 +37,15 @@ from nanokv.fileio import write_durably
 
 logger = logging.getLogger("nanokv")
 
-SOURCE = Path(__file__).with_name("cpu.c")
+CSRC = Path(__file__).with_name("csrc")  # the kernels' C sources and headers
+
+
+def sources() -> list[Path]:
+    """Every file the library is built from: csrc's .c files (compiled) and .h files
+    (included), in name order."""
+    return sorted(p for p in CSRC.iterdir() if p.suffix in (".c", ".h"))
+
+
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 
 
@@ -106,8 +116,12 @@ def _cpu_signature() -> str:
 
 def _key(cc: str, flags: list[str]) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(),
-                                     _cpu_signature().encode(), platform.machine().encode()]))
+    key = hashlib.sha256()
+    for path in sources():  # each file's name and bytes, each part length-prefixed: no two trees alike
+        for part in (path.name.encode(), path.read_bytes()):
+            key.update(len(part).to_bytes(8, "little") + part)
+    for part in (" ".join(flags), version, _cpu_signature(), platform.machine()):
+        key.update(len(part.encode()).to_bytes(8, "little") + part.encode())
     return key.hexdigest()[:16]
 
 
@@ -180,7 +194,7 @@ def _verified(folder: Path, name: str, quiet: bool = False) -> Built | None:
     return None
 
 
-MAX_LIBRARY_BYTES = 64 << 20  # far above any build of cpu.c (about 0.3 MB); more is no library of ours
+MAX_LIBRARY_BYTES = 64 << 20  # far above any build of the kernels (about 0.3 MB); more is no library of ours
 MAX_MANIFEST_BYTES = 4096
 
 
@@ -216,10 +230,11 @@ def _build(cc: str, variant: list[str], folder: Path, name: str) -> Built:
         return _build(cc, variant, _private_folder(e), name)
     with workspace as tmp:
         out = Path(tmp) / f"{name}.so"
-        proc = subprocess.run([cc, *variant, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True,
+        compiled = [str(p) for p in sources() if p.suffix == ".c"]
+        proc = subprocess.run([cc, *variant, *compiled, "-o", str(out), "-lm"], capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S)
         if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed to build {SOURCE.name}:\n{proc.stderr[-2000:]}")
+            raise RuntimeError(f"{cc} failed to build the CPU kernels ({CSRC}):\n{proc.stderr[-2000:]}")
         data = out.read_bytes()
     try:
         built = _commit(folder, name, data)

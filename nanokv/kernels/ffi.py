@@ -1,5 +1,5 @@
-"""Loading the built library through ctypes: argument types, the structs cpu.c shares
-with Python, and the one question callers ask first, available()."""
+"""Loading the built library through ctypes: argument types, the structs the C kernels
+share with Python (csrc/common.h), and the one question callers ask first, available()."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ _P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 
 
 class NkLayer(ctypes.Structure):
-    """struct nk_layer (cpu.c): one decoder layer's sizes, packed weights and KV cache."""
+    """struct nk_layer (csrc/common.h): one decoder layer's sizes, packed weights and KV cache."""
 
     _fields_ = [(n, _L) for n in ("H", "Hq", "Hkv", "D", "I", "bs", "fmt")] + [("eps", _F), ("scale", _F)] + [
         (n, _P) for n in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias",
@@ -28,8 +28,8 @@ class NkLayer(ctypes.Structure):
 
 
 class NkStep(ctypes.Structure):
-    """struct nk_step (cpu.c): one step's rotary rows, cache slots, attention metadata and
-    workspace, shared by all layers."""
+    """struct nk_step (csrc/common.h): one step's rotary rows, cache slots, attention
+    metadata and workspace, shared by all layers."""
 
     _fields_ = [(n, _L) for n in ("T", "width", "max_len")] + [
         (n, _P) for n in ("cos", "sin", "slots", "rows", "ctx", "tables",
@@ -135,7 +135,7 @@ def _open(built: build.Built) -> ctypes.CDLL:
 
 def available() -> bool:
     """The kernels are switched on (NANOKV_CPU_KERNELS, read on every call) and built:
-    the first call compiles cpu.c unless the cache holds it."""
+    the first call compiles the kernels unless the cache holds it."""
     return not build.switched_off() and lib() is not None
 
 

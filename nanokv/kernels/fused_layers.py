@@ -25,7 +25,7 @@ class FusedCpuLayers:
     def _describe(layer) -> NkLayer:
         attn, mlp = layer.self_attn, layer.mlp
         qkv, o, gu, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
-        assert len({p.packed.format for p in (qkv, o, gu, down)}) == 1  # one format per layer (cpu.c)
+        assert len({p.packed.format for p in (qkv, o, gu, down)}) == 1  # one format per layer (nk_decoder_layer)
         return NkLayer(
             H=layer.input_layernorm.weight.shape[0], Hq=attn.num_heads, Hkv=attn.num_kv_heads, D=attn.head_dim,
             I=gu.out_features, bs=0, fmt=qkv.packed.code, eps=layer.input_layernorm.eps, scale=attn.attn.scale,

@@ -13,7 +13,7 @@ import torch
 
 from nanokv.kernels.ffi import NkLayer, NkStep, lib, ptr
 
-NR = 16  # output columns per packed weight panel (cpu.c)
+NR = 16  # output columns per packed weight panel (csrc/common.h)
 
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14
@@ -65,7 +65,7 @@ def huge_pages(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-FORMATS = {"float32": 0, "bfloat16": 1, "int8": 2, "int8w": 3}  # weight formats of the GEMMs (cpu.c's NK_F32, ...)
+FORMATS = {"float32": 0, "bfloat16": 1, "int8": 2, "int8w": 3}  # GEMM weight formats (csrc/common.h's NK_F32, ...)
 INT8_FORMATS = ("int8", "int8w")  # int8 dot products (activations quantized too), int8 weights only
 QB = 32  # int8: activations are quantized in blocks of QB along K, weights' K is padded to it
 
@@ -74,7 +74,7 @@ QB = 32  # int8: activations are quantized in blocks of QB along K, weights' K i
 class PackedWeight:
     """W [n, k] packed once for the GEMM kernels, in panels of NR output columns (zero padded):
     float32 data [panels, k, NR] (data[p, k, j] = W[p * NR + j, k]); bfloat16 the same with
-    each panel's columns in BF16_ORDER; int8 a byte tensor [panels, panel_bytes] (cpu.c:
+    each panel's columns in BF16_ORDER; int8 a byte tensor [panels, panel_bytes] (csrc/gemm.h:
     blocks of 32 k, column sums, column scales); int8w a byte tensor [panels, k * NR + 4 *
     NR] (the int8 weights as float32's [k, NR], then the column scales)."""
 
@@ -120,7 +120,7 @@ _Q8_BLOCK = QB * NR + NR * 4  # bytes per block of QB k in an int8 panel: weight
 
 
 def int8_panel_bytes(k: int) -> int:
-    """Bytes of one int8 panel of k rows (cpu.c's nk_panel_bytes)."""
+    """Bytes of one int8 panel of k rows (csrc/gemm.c's nk_panel_bytes)."""
     return -(-k // QB) * _Q8_BLOCK + NR * 4
 
 
@@ -329,7 +329,7 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, c: int, block: 
     off (rows [n] int64 of logits [N, V], None: all), c candidates each (found with blocks of
     `block`, 0: none); [n] float32 scale (log2(e) / T), u (the first uniform; NaN, or u None
     for every row: the row's seeded_uniform(key, 0)), top_p and min_p (None: off), int64 keys
-    (of the later uniforms, and a seeded row's first). cpu.c's nk_sample_rows."""
+    (of the later uniforms, and a seeded row's first). csrc/sampler.c's nk_sample_rows."""
     n = len(keys)
     tokens, z = torch.empty(n, dtype=torch.long), torch.empty(n)
     args = [None if x is None else x.to(dtype).contiguous() for x, dtype in
@@ -342,7 +342,7 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, c: int, block: 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=1) ([N] int64) of contiguous float32 logits [N, V]: the first of
-    equal maxima, the first NaN where a row has one. cpu.c's nk_argmax_rows."""
+    equal maxima, the first NaN where a row has one. csrc/sampler.c's nk_argmax_rows."""
     n, vocab = logits.shape
     out = torch.empty(n, dtype=torch.long)
     lib().nk_argmax_rows(logits.data_ptr(), n, vocab, out.data_ptr())
@@ -353,7 +353,7 @@ def logprobs(logits: torch.Tensor, rows: torch.Tensor | None, picked: torch.Tens
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(lse [n] float32: each row's log-sum-exp, above [n] int64: how many of its logits exceed
     picked [n], and its k largest logits and their ids [n, k], as top_candidates with blocks of
-    `block`) for the n rows rows (int64, None: all) of logits [N, V]; cpu.c's nk_logprobs."""
+    `block`) for the n rows rows (int64, None: all) of logits [N, V]; csrc/sampler.c's nk_logprobs."""
     n = len(picked)
     lse, above = torch.empty(n), torch.empty(n, dtype=torch.long)
     vals, ids = torch.empty(n, k), torch.empty(n, k, dtype=torch.long)

@@ -23,12 +23,12 @@ its token depends neither on the batch nor on preemption; the other rows draw fr
 engine's generator. On the CPU the full-vocabulary passes go a few MiB of rows at a time,
 in one buffer kept across steps, so that each chunk's passes run in cache.
 
-With the CPU kernels (cpu.c, where they build) the same draw runs in C row by row, each row
-in cache from its candidates to its token (nk_sample_rows, for rows with top_k off: the
-draws past the candidates, which flat distributions make common, cost a pass or two of a
-row in L2 instead of several over the batch); the candidates of the other rows and
-logprobs' statistics are C calls too. Its later uniforms (redraws) are seeded_uniform's of a
-key: the row's own, or one drawn from the generator.
+With the CPU kernels (kernels/csrc/sampler.c, where they build) the same draw runs in C
+row by row, each row in cache from its candidates to its token (nk_sample_rows, for rows
+with top_k off: the draws past the candidates, which flat distributions make common, cost
+a pass or two of a row in L2 instead of several over the batch); the candidates of the
+other rows and logprobs' statistics are C calls too. Its later uniforms (redraws) are
+seeded_uniform's of a key: the row's own, or one drawn from the generator.
 """
 
 from __future__ import annotations
@@ -364,7 +364,7 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings,
 
 def _sample_rows_c(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings, keys: list[int | None],
                    generator: torch.Generator | None, scratch) -> torch.Tensor:
-    """sample_rows on the C kernels: the rows with top_k off in one call (cpu.c's
+    """sample_rows on the C kernels: the rows with top_k off in one call (csrc/sampler.c's
     nk_sample_rows, the same draw row by row, each row in cache from its candidates to its
     token), the others through sample_rows with their candidates in C."""
     vocab, n = logits.shape[1], len(keys)
@@ -415,7 +415,7 @@ def _later_keys(keys: list[int | None], generator: torch.Generator | None) -> to
 def _flat(z: torch.Tensor, uz: torch.Tensor, c: int, vocab: int, top_p: torch.Tensor | None,
           min_p: torch.Tensor | None, part: slice) -> torch.Tensor:
     """Rows (of a chunk, top_k off) whose draw is past their c candidates whatever they are
-    (cpu.c's flat_row): every weight is at most 1, so c candidates weigh at most c; when
+    (csrc/sampler.c's flat_row): every weight is at most 1, so c candidates weigh at most c; when
     top_p's share of the row's weight z (all of it, top_p off) exceeds that and so does
     u * z, neither top-p nor the draw ends inside them (min_p off). Such a row draws among
     all its tokens in id order."""

@@ -1,4 +1,4 @@
-"""The C kernels (nanokv/kernels/cpu.c) against the torch expressions they replace."""
+"""The C kernels (nanokv/kernels/csrc/) against the torch expressions they replace."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The sampler's C kernels (cpu.c's nk_top_candidates, nk_sample_rows) against a full sort
+"""The sampler's C kernels (csrc/sampler.c's nk_top_candidates, nk_sample_rows) against a full sort
 and against the sampler's torch path, at both vector widths."""
 
 from __future__ import annotations
