@@ -3,7 +3,7 @@ library's bytes match its manifest, a damaged one is built again, the loaded byt
 checked ones, builders of one entry take turns, and an unwritable cache builds into a
 private folder.
 
-cpu.c is compiled for real once per module (the default variant); each test gets a copy
+The kernels are compiled for real once per module (the default variant); each test gets a copy
 of that entry and a compiler wrapper that logs each compile and writes the module's build
 (a one-entry ccache), so a rebuild costs a copy and the tests can count them. Whatever
 may crash on a damaged library (SIGBUS, SIGSEGV) runs in a subprocess."""
@@ -344,3 +344,23 @@ def test_concurrent_builders_compile_once_and_load_the_same_bytes(cache, healthy
     assert cache.compiles() == 1
     assert outs == [json.loads(healthy.manifest)["sha256"]] * builders
     assert_entry_is_healthy(cache, healthy)
+
+
+def test_every_source_and_header_is_in_the_key_and_the_build(cache, healthy, tmp_path, monkeypatch):
+    """The kernels are csrc's .c files, compiled in one call into one library, and the
+    headers they include: a change to any one file (a header included only, too) is a new
+    cache key and a new build, and the build compiles every .c file."""
+    csrc = tmp_path / "csrc"
+    shutil.copytree(build.CSRC, csrc)
+    monkeypatch.setattr(build, "CSRC", csrc)
+    files = build.sources()
+    assert {p.suffix for p in files} == {".c", ".h"} and len(files) == len(list(csrc.iterdir()))
+    assert build.build().path == cache.library and cache.compiles() == 0  # the same bytes: the same entry
+    names = {cache.library.name}
+    for i, path in enumerate(files, 1):
+        path.write_bytes(path.read_bytes() + b"\n")
+        built = build.build()
+        assert cache.compiles() == i and built.path.name not in names, path.name
+        names.add(built.path.name)
+    for line in cache.log.read_text().splitlines():
+        assert [a for a in line.split() if a.endswith(".c")] == [str(p) for p in files if p.suffix == ".c"]
