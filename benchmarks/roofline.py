@@ -40,19 +40,47 @@ def workload_flops(dims: dict, reqs: list[Request], hit_tokens: int = 0) -> floa
     return flops
 
 
-def measured_gemm_rate(dims: dict, dtype: torch.dtype, device: torch.device) -> float:
-    """FLOP/s of this machine on a model-shaped GEMM (tokens x hidden @ hidden x 3*hidden)."""
-    a = torch.randn(1024, dims["hidden"], dtype=dtype, device=device)
-    b = torch.randn(dims["hidden"], 3 * dims["hidden"], dtype=dtype, device=device)
-    for _ in range(3):
-        a @ b
+def _flops_per_second(fn, flops: float, device: torch.device, seconds: float = 0.3) -> float:
+    for _ in range(2):
+        fn()
     sync(device)
     reps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < 1.0:
-        a @ b
+    while time.perf_counter() - start < seconds:
+        fn()
         reps += 1
     sync(device)
-    return reps * 2 * a.shape[0] * b.shape[0] * b.shape[1] / (time.perf_counter() - start)
+    return reps * flops / (time.perf_counter() - start)
+
+
+def gemm_shapes(dims: dict) -> list[tuple[int, int]]:
+    """(K, N) of the model's projections: q/k/v, o, gate/up, down, and the LM head."""
+    h, d = dims["hidden"], dims["head_dim"]
+    inter = (dims["past_attention_params"] - dims["heads"] * d * h) // (3 * h)
+    return [(h, (dims["heads"] + 2 * dims["kv_heads"]) * d), (dims["heads"] * d, h), (h, 2 * inter), (inter, h),
+            (h, dims["vocab"])]
+
+
+def measured_gemm_rate(dims: dict, dtype: torch.dtype, device: torch.device,
+                       rows: tuple[int, ...] = (256, 1024, 4096)) -> float:
+    """The machine's best GEMM FLOP/s at the model's shapes: the fastest of torch's matmul
+    (its BLAS) and, on a CPU in float32, nanokv's own kernel on packed weights, over the
+    model's projection shapes and `rows` tokens. A floor from a slower GEMM than the
+    machine can run would let an engine beat its own roofline."""
+    from nanokv import kernels
+
+    use_kernels = device.type == "cpu" and dtype == torch.float32 and kernels.available()
+    best = 0.0
+    for k, n in gemm_shapes(dims):
+        w = torch.randn(n, k, dtype=dtype, device=device) / k ** 0.5
+        packed = kernels.pack_weight(w) if use_kernels else None
+        for m in rows:
+            a = torch.randn(m, k, dtype=dtype, device=device)
+            out = torch.empty(m, n, dtype=dtype, device=device)
+            flops = 2.0 * m * k * n
+            best = max(best, _flops_per_second(lambda: torch.matmul(a, w.t(), out=out), flops, device))
+            if packed is not None:
+                best = max(best, _flops_per_second(lambda: kernels.linear(a, packed, out=out), flops, device))
+    return best
 
 
 def measured_copy_bandwidth(device: torch.device) -> float:
@@ -79,7 +107,7 @@ def roofline(dims: dict, reqs: list[Request], nanokv: Result, dtype: torch.dtype
     if device.type == "cpu":
         flops = workload_flops(dims, reqs, nanokv.extra["kv"]["prefix_hit_tokens"])
         floor = flops / rate
-        return dict(kind="FLOPs / measured GEMM rate", flops=flops, rate=rate, floor_seconds=floor,
+        return dict(kind="FLOPs / the best measured GEMM rate (torch or nanokv kernels, model shapes)", flops=flops, rate=rate, floor_seconds=floor,
                     percent=100 * floor / nanokv.seconds)
     elem = torch.empty(0, dtype=dtype).element_size()
     weights = (dims["linear_params"] + dims["head_params"]) * elem

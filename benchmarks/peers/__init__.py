@@ -7,7 +7,7 @@ import importlib.util
 
 from benchmarks.measure import Result
 from benchmarks.peers.ct2 import run_ct2
-from benchmarks.peers.llamacpp import llamacpp_binary, run_llamacpp
+from benchmarks.peers.llamacpp import run_llamacpp
 from benchmarks.workloads import Request
 
 
@@ -25,11 +25,9 @@ def run_cpu_peers(engines: set, model_dir: str, reqs: list[Request], args, sizes
         from nanokv.gguf import find_gguf, resolve_model as resolve_name
 
         gguf_file = find_gguf(resolve_name(args.model)) if args.model else None
-        missing = [b for b in ("llama-server",) if llamacpp_binary(b) is None]
-        if missing or gguf_file is None:
-            why = (f"no {', '.join(missing)} (build llama.cpp; LLAMA_CPP_BIN names its bin directory)" if missing
-                   else "needs a GGUF model (--model smollm2 or a .gguf file)")
-            results.append(Result("llama.cpp q8_0", 0, float("nan"), float("nan"), note=why))
+        if gguf_file is None:
+            results.append(Result("llama.cpp q8_0", 0, float("nan"), float("nan"),
+                                  note="needs a GGUF model (--model smollm2 or a .gguf file)"))
         else:
             results.append(run_llamacpp(gguf_file, reqs, args.scratch, min(args.max_num_seqs, len(reqs)), sampling))
     return results
