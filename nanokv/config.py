@@ -68,14 +68,15 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(1, "shard the model over N ranks (GPUs, or CPU processes with gloo)")
     max_logprobs: int = _arg(20, "the most logprobs a request may ask for")
     quantization: str | None = _arg(None, "'int8': int8 weights with per-output-channel scales computed at load "
-                                    "from any checkpoint, activations quantized per 32 values in each GEMM (the "
-                                    "CPU kernels); None: the weights in dtype")
+                                    "from any checkpoint, on the CPU kernels (with VNNI: int8 dot products, the "
+                                    "activations quantized per 32 values in each GEMM; without: the int8 weights "
+                                    "widened into float32 arithmetic); None: the weights in dtype")
     kv_cache_dtype: str = _arg("auto", "KV cache storage: 'auto' (the model's dtype), 'int8' (asymmetric int8 per "
                                "token and KV head: q * scale + zero, scale and zero float16, set when the token "
                                "is written; 3.76x the tokens of float32 at head_dim 64) or 'fp8' (e4m3, the same "
                                "scales; CUDA with the triton backend only)")
     quantize_lm_head: bool = _arg(False, "with quantization='int8', the LM head in int8 too (a tied embedding "
-                                  "keeps its float32 rows for the lookup; the head's int8 copy is extra)")
+                                  "then reads the head's int8 rows: no second copy is kept)")
 
     # ---- construction -------------------------------------------------------------------
     @classmethod

@@ -125,7 +125,8 @@ def _add_serve_parser(sub) -> None:
     http.add_argument("--host", default=ServerSettings.host, help="address to listen on (0.0.0.0: every interface)")
     http.add_argument("--port", type=_port, default=ServerSettings.port, help="port to listen on")
     http.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                      help="the model names clients use (the first is reported in responses); default: MODEL")
+                      help="the model names clients may use (a response carries the name its request used; the first "
+                           "is the default and the /metrics label); default: MODEL")
     http.add_argument("--api-key", default=None,
                       help="require 'Authorization: Bearer <key>' on every /v1 route (unset: $NANOKV_API_KEY "
                            "if set, else no key; an empty key is refused)")
