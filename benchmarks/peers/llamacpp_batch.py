@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -143,6 +142,16 @@ class LlamaBackend:
         self.L.llama_model_free(self.model)
 
 
+def peak_rss_gib() -> float:
+    """This process's peak RSS (VmHWM, which starts afresh at exec; getrusage's ru_maxrss
+    would carry the parent's from before the fork)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20  # kB -> GiB
+    return float("nan")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
@@ -163,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     backend.close()
     settings = dict(slots=args.slots, threads=args.threads, flash_attn=True, kv_unified=False,
                     n_batch=N_BATCH, n_ubatch=N_UBATCH)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    peak = peak_rss_gib()
     print(json.dumps(dict(tokens=sum(map(len, outputs)), seconds=seconds, settings=settings, peak_rss_gib=peak)))
     return 0
 
