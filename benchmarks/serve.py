@@ -230,10 +230,12 @@ class Engine:
             return exe + ["serve", s.model_dir, "--continuous-batching", *host, "--device", "cpu", "--dtype",
                           "float32", "--log-level", "warning", "--cb-num-blocks", str(max(1, s.kv_tokens // 256)),
                           "--cb-max-batch-tokens", str(s.max_num_batched_tokens)], env
-        # one KV pool shared by every slot (-kvu), as nanokv's and transformers' are; 64 slots:
-        # the most sequences it runs at once
+        # one KV pool shared by every slot (-kvu), as nanokv's and transformers' are (the same
+        # KV budget, and prefixes shared across slots); 64 slots: the most sequences it runs at
+        # once; flash attention on (what 'auto' picks on a CPU; with a shared pool, off is
+        # several times slower)
         return [s.llama_server, "-m", s.gguf, *host, "--alias", "served", "-c", str(s.kv_tokens), "-kvu",
-                "-np", "64", "-t", str(s.threads), "-tb", str(s.threads), "-b", str(s.max_num_batched_tokens),
+                "-fa", "on", "-np", "64", "-t", str(s.threads), "-tb", str(s.threads), "-b", str(s.max_num_batched_tokens),
                 "--no-webui", "--log-disable"], env
 
     def body(self, messages: list[dict], max_tokens: int) -> dict:
