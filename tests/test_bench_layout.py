@@ -67,14 +67,21 @@ def test_bench_py_only_calls_benchmarks_cli():
 
 def test_benchmarks_modules_by_subject_without_import_cycle():
     graph = benchmarks_graph()
-    subjects = {"cli", "workloads", "engines", "peers", "peers.ct2", "peers.llamacpp", "throughput", "roofline",
+    subjects = {"cli", "workloads", "engines", "peers", "peers.ct2", "peers.llamacpp", "peers.llamacpp_batch",
+                "throughput", "roofline",
                 "report", "accuracy", "micro", "measure", "serve"}
     assert {f"benchmarks.{s}" for s in subjects} <= set(graph)
     assert find_cycle(graph) is None, find_cycle(graph)
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check itself sees one
     # the peers and the roofline stand alone: what they need is the workloads and the measurements
-    for mod in ("benchmarks.peers.ct2", "benchmarks.peers.llamacpp", "benchmarks.roofline"):
-        assert graph[mod] <= {"benchmarks.workloads", "benchmarks.measure"}, (mod, graph[mod])
+    # (llama.cpp also its batch-decode driver, which runs in a process of its own)
+    alone = {"benchmarks.workloads", "benchmarks.measure"}
+    for mod in ("benchmarks.peers.ct2", "benchmarks.roofline"):
+        assert graph[mod] <= alone, (mod, graph[mod])
+    assert graph["benchmarks.peers.llamacpp"] <= alone | {"benchmarks.peers.llamacpp_batch"}
+    # the driver imports neither torch nor nanokv nor the rest of benchmarks/: llama.cpp alone in its process
+    driver = imported(BENCHMARKS / "peers" / "llamacpp_batch.py")
+    assert not {d.split(".")[0] for d in driver} & {"torch", "nanokv", "benchmarks"}, driver
 
 
 def test_nanokv_never_imports_benchmarks():
