@@ -19,7 +19,7 @@ def model_dims(hf_config) -> dict:
     inter, vocab = hf_config.intermediate_size, hf_config.vocab_size
     past_attention = heads * d * h + 3 * h * inter  # o_proj and the MLP
     per_layer = h * (heads + 2 * kv_heads) * d + past_attention
-    return dict(layers=layers, heads=heads, kv_heads=kv_heads, head_dim=d, vocab=vocab, hidden=h,
+    return dict(layers=layers, heads=heads, kv_heads=kv_heads, head_dim=d, vocab=vocab, hidden=h, intermediate=inter,
                 linear_params=layers * per_layer, head_params=vocab * h, past_attention_params=past_attention)
 
 
@@ -40,7 +40,8 @@ def workload_flops(dims: dict, reqs: list[Request], hit_tokens: int = 0) -> floa
     return flops
 
 
-def _flops_per_second(fn, flops: float, device: torch.device, seconds: float = 0.3) -> float:
+def _rate(fn, amount: float, device: torch.device, seconds: float = 0.3) -> float:
+    """`amount` (FLOPs, bytes) per second of fn, run for about `seconds` after two warm-ups."""
     for _ in range(2):
         fn()
     sync(device)
@@ -49,13 +50,12 @@ def _flops_per_second(fn, flops: float, device: torch.device, seconds: float = 0
         fn()
         reps += 1
     sync(device)
-    return reps * flops / (time.perf_counter() - start)
+    return reps * amount / (time.perf_counter() - start)
 
 
 def gemm_shapes(dims: dict) -> list[tuple[int, int]]:
     """(K, N) of the model's projections: q/k/v, o, gate/up, down, and the LM head."""
-    h, d = dims["hidden"], dims["head_dim"]
-    inter = (dims["past_attention_params"] - dims["heads"] * d * h) // (3 * h)
+    h, d, inter = dims["hidden"], dims["head_dim"], dims["intermediate"]
     return [(h, (dims["heads"] + 2 * dims["kv_heads"]) * d), (dims["heads"] * d, h), (h, 2 * inter), (inter, h),
             (h, dims["vocab"])]
 
@@ -77,9 +77,9 @@ def measured_gemm_rate(dims: dict, dtype: torch.dtype, device: torch.device,
             a = torch.randn(m, k, dtype=dtype, device=device)
             out = torch.empty(m, n, dtype=dtype, device=device)
             flops = 2.0 * m * k * n
-            best = max(best, _flops_per_second(lambda: torch.matmul(a, w.t(), out=out), flops, device))
+            best = max(best, _rate(lambda: torch.matmul(a, w.t(), out=out), flops, device))
             if packed is not None:
-                best = max(best, _flops_per_second(lambda: kernels.linear(a, packed, out=out), flops, device))
+                best = max(best, _rate(lambda: kernels.linear(a, packed, out=out), flops, device))
     return best
 
 
@@ -87,14 +87,7 @@ def measured_copy_bandwidth(device: torch.device) -> float:
     """Bytes/s of a large device-to-device copy (read + write)."""
     x = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
-    y.copy_(x)
-    sync(device)
-    reps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < 0.5:
-        y.copy_(x)
-        reps += 1
-    sync(device)
-    return reps * 2 * x.numel() / (time.perf_counter() - start)
+    return _rate(lambda: y.copy_(x), 2 * x.numel(), device, seconds=0.5)
 
 
 def machine_rate(dims: dict, dtype: torch.dtype, device: torch.device) -> float:

@@ -83,8 +83,8 @@ def test_the_roofline_rate_is_at_least_each_gemm_it_measures(monkeypatch):
     rates = []
     import benchmarks.roofline as roofline
 
-    real = roofline._flops_per_second
-    monkeypatch.setattr(roofline, "_flops_per_second",
+    real = roofline._rate
+    monkeypatch.setattr(roofline, "_rate",
                         lambda fn, flops, device, seconds=0.3: rates.append(real(fn, flops, device, 0.01)) or rates[-1])
     best = measured_gemm_rate(dims, torch.float32, torch.device("cpu"), rows=(8, 32))
     assert best == max(rates) and len(rates) in (10, 20)  # 5 shapes x 2 row counts, torch (and the kernels)

@@ -22,7 +22,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 N_BATCH = 2048  # tokens per llama_decode call (llama.cpp's default)
 N_UBATCH = 512  # tokens per compute graph (llama.cpp's default; the sweep's best)
@@ -37,7 +37,6 @@ class Sequence:
     produced: int = 0
     row: int = -1  # the batch row whose logits it samples from this step, -1: none
     sampler: object = None
-    tokens: list[int] = field(default_factory=list)
 
 
 def schedule(active: dict[int, Sequence], n_batch: int) -> list[tuple[int, int, int, bool]]:
