@@ -11,7 +11,7 @@ import tempfile
 
 import torch
 
-from nanokv.config import EngineArgs
+from nanokv.engine.arg_utils import EngineArgs
 
 from benchmarks.accuracy import print_accuracy, run_accuracy
 from benchmarks.engines import cpu_kv_budget_fraction, load_hf, nanokv_variants

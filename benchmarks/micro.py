@@ -27,7 +27,7 @@ def micro_host_time(device: torch.device, num_seqs: int = 256, context_lens: tup
     import statistics
 
     from nanokv import SamplingParams
-    from nanokv.config import EngineArgs
+    from nanokv.engine.arg_utils import EngineArgs
     from nanokv.llm_engine import LLMEngine
     from nanokv.testing.tiny import cached_tiny_checkpoint
 

@@ -27,7 +27,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from nanokv.config import EngineArgs
+from nanokv.engine.arg_utils import EngineArgs
 from nanokv.engine.stats import KVStats
 from nanokv.engine.types import EngineDeadError
 from nanokv.llm_engine import LLMEngine, PromptType

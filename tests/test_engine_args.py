@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from nanokv import LLM
-from nanokv.config import EngineArgs
+from nanokv.engine.arg_utils import EngineArgs
 from nanokv.entrypoints.cli.arguments import build_parser, engine_args_from_cli
 from nanokv.entrypoints.cli.common import Rank
 

@@ -93,3 +93,6 @@ def test_layering():
     assert not any(m.startswith(("nanokv.executor", "nanokv.llm")) for m in below_runner)
     for leaf in ("nanokv.sampling_params", "nanokv.outputs"):
         assert graph[leaf] == set()
+    # EngineArgs (torch-free) reads the config module's validation lazily; never the reverse
+    assert graph["nanokv.engine.arg_utils"] <= {"nanokv.config"}
+    assert "nanokv.engine.arg_utils" not in graph["nanokv.config"]

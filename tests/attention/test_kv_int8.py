@@ -355,7 +355,7 @@ def test_bytes_per_token_counts_the_scales(cpu_config_int8):
 
 @pytest.fixture
 def cpu_config_int8(model_dir):
-    from nanokv.config import EngineArgs
+    from nanokv.engine.arg_utils import EngineArgs
 
     return EngineArgs(model=model_dir, kv_cache_dtype="int8", max_model_len=128).create_engine_config()
 

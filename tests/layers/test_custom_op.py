@@ -36,7 +36,7 @@ def test_building_a_config_compiles_nothing(model_dir, tmp_path):
     cache = tmp_path / "cache"
     code = (
         "from nanokv import kernels\n"
-        "from nanokv.config import EngineArgs\n"
+        "from nanokv.engine.arg_utils import EngineArgs\n"
         f"config = EngineArgs(model={model_dir!r}).create_engine_config()\n"
         "print(config.attention_backend, kernels.ffi.load.cache_info().currsize)\n"
     )

@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from nanokv.config import EngineArgs
+from nanokv.engine.arg_utils import EngineArgs
 from nanokv.runner.kv_cache import num_kv_blocks
 
 GiB = 1 << 30

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from nanokv.config import EngineArgs
+from nanokv.engine.arg_utils import EngineArgs
 from nanokv.entrypoints.cli.common import InputError, Rank
 from nanokv.entrypoints.openai.settings import ServerSettings
 from nanokv.sampling_params import SamplingParams

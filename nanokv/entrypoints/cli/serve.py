@@ -9,7 +9,7 @@ import logging
 import os
 import re
 
-from nanokv.config import DEFAULT_MODEL, EngineArgs
+from nanokv.engine.arg_utils import DEFAULT_MODEL, EngineArgs
 from nanokv.entrypoints.cli.common import EXIT_USAGE, InputError, say
 
 API_KEY_ENV = "NANOKV_API_KEY"  # the key when --api-key is not given

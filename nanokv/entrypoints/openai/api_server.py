@@ -35,7 +35,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
 
 import nanokv
 from nanokv.async_llm import AsyncLLM
-from nanokv.config import EngineArgs
+from nanokv.engine.arg_utils import EngineArgs
 from nanokv.entrypoints.openai.connections import connection_limits, guarded_protocol, listen_queue, raise_fd_limit
 from nanokv.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from nanokv.entrypoints.openai.protocol import APIError, bad_request, error_body
