@@ -4,7 +4,8 @@ nothing writes back into."""
 
 from __future__ import annotations
 
-import json
+import copy
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 
+from nanokv.generation_config import default_sampling_params, read_generation_config
 from nanokv.model_config import model_head_dim  # noqa: F401 - where models/ and tests read it
 
 logger = logging.getLogger("nanokv")
@@ -55,18 +57,31 @@ class EngineConfig:
     # "auto" (K/V stored in dtype), "int8" or "fp8": quantized pages with a float16 (scale,
     # zero) per (token, KV head) in a parallel tensor (runner/kv_cache.py)
     kv_cache_dtype: str = "auto"
+    tokenizer: str | None = None  # a tokenizer directory or .gguf other than the model; None: the model's
+    tokenizer_mode: str = "auto"  # "auto" / "hf" (the fast tokenizer) or "slow"
+    # SamplingParams field -> the model's default (generation_config.py), for the fields a
+    # request leaves unset; empty: SamplingParams' own defaults
+    default_sampling_params: dict[str, Any] = field(default_factory=dict)
+    disable_log_stats: bool = False  # no KV cache summary lines
+    served_model_name: tuple[str, ...] | None = None  # the server's names when its flag gives none
 
 
 def create_engine_config(args) -> EngineConfig:
     """Resolve 'auto' values and validate every engine argument (an EngineArgs,
     nanokv.engine.arg_utils) against the model: EngineArgs.create_engine_config()."""
-    from nanokv.gguf import resolve_model
+    import nanokv.gguf as gguf
     from nanokv.layers.activation import check_activation
     from nanokv.loader import check_checkpoint
     from nanokv.models import resolve_architecture
 
-    model = resolve_model(args.model)  # a built-in name ("smollm2") -> its file
+    _log_no_effect(args)
+    _check_vllm_args(args)  # before the model loads: these need no model
+    tokenizer = _resolve_tokenizer(args.tokenizer, args.tokenizer_mode)
+    model = gguf.resolve_model(args.model)  # a built-in name ("smollm2") -> its file
     hf_config = load_hf_config(model)
+    is_gguf = gguf.find_gguf(model) is not None
+    _check_load_format(args.load_format, model, is_gguf)
+    hf_config = _apply_hf_overrides(hf_config, args.hf_overrides)
     architecture = resolve_architecture(hf_config)
     check_activation(hf_config)
     check_checkpoint(model, hf_config)  # sizes and values against the weights, before anything is allocated
@@ -113,6 +128,10 @@ def create_engine_config(args) -> EngineConfig:
     if args.attention_backend == "auto" and backend == "flash_attn" and args.kv_cache_dtype in ("int8", "fp8"):
         backend = "triton"  # flash_attn reads no quantized pages; triton is importable wherever flash_attn is
     kv_cache_dtype = _resolve_kv_cache_dtype(args.kv_cache_dtype, dev, backend)
+    defaults = default_sampling_params(model, is_gguf, args.generation_config, args.override_generation_config)
+    if defaults:
+        logger.info("default sampling parameters from the model's generation config: %s (for the fields a "
+                    "request leaves unset; generation_config='vllm' turns this off)", defaults)
     return EngineConfig(
         model=model, hf_config=hf_config, architecture=architecture, dtype=torch_dtype,
         device=dev, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
@@ -123,8 +142,136 @@ def create_engine_config(args) -> EngineConfig:
         seed=int(seed), eos_token_ids=tuple(_eos_token_ids(model, hf_config)),
         attention_backend=backend, tensor_parallel_size=args.tensor_parallel_size,
         max_logprobs=args.max_logprobs, head_dim=head_dim, weight_format=weight_format,
-        lm_head_format=lm_head_format, kv_cache_dtype=kv_cache_dtype,
+        lm_head_format=lm_head_format, kv_cache_dtype=kv_cache_dtype, tokenizer=tokenizer,
+        tokenizer_mode=args.tokenizer_mode, default_sampling_params=defaults,
+        disable_log_stats=args.disable_log_stats, served_model_name=_served_model_name(args.served_model_name),
     )
+
+
+def _log_no_effect(args) -> None:
+    """Once per engine: the arguments given that change nothing here (EngineArgs fields
+    marked no_effect, their help says why)."""
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if f.metadata.get("no_effect") and value != f.default:
+            logger.info("engine argument %s=%r: %s", f.name, value, f.metadata["help"])
+
+
+def _check_load_format(load_format, model: str, is_gguf: bool) -> None:
+    if load_format == "auto":
+        return
+    if load_format == "dummy":
+        raise ValueError("load_format='dummy' (random weights) is not supported; load a checkpoint (a random one "
+                         "for tests: nanokv.testing.tiny) with load_format='auto'")
+    if load_format not in ("safetensors", "gguf"):
+        raise ValueError(f"load_format={load_format!r} is not supported: nanokv loads safetensors (a Hugging "
+                         "Face directory) and GGUF files; use 'auto', 'safetensors' or 'gguf'")
+    if (load_format == "gguf") != is_gguf:
+        holds = "a GGUF file" if is_gguf else "a Hugging Face (safetensors) directory"
+        raise ValueError(f"load_format={load_format!r} but {model} is {holds}; use load_format='auto'")
+
+
+def _apply_hf_overrides(hf_config, overrides):
+    """hf_overrides set on a copy of the config (nested dicts update sub-configs such as
+    text_config) before anything reads it: the checks against the weights that follow
+    refuse an override the checkpoint does not match."""
+    if overrides is None:
+        return hf_config
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a dict of config.json fields, got {overrides!r}")
+    config = copy.deepcopy(hf_config)
+
+    def update(target, values: dict, where: str) -> None:
+        for key, value in values.items():
+            if not isinstance(key, str) or not key.isidentifier() or key.startswith("_"):
+                raise ValueError(f"{where}: {key!r} is not a config field name")
+            current = getattr(target, key, None)
+            if isinstance(value, dict) and hasattr(current, "to_dict"):  # a sub-config
+                update(current, value, f"{where}.{key}")
+            else:
+                setattr(target, key, value)
+
+    update(config, overrides, "hf_overrides")
+    return config
+
+
+_POOLING_TASKS = ("embed", "embedding", "pooling", "classify", "score", "reward")
+
+
+def _check_vllm_args(args) -> None:
+    """vLLM's arguments: the values nanokv implements, and a reason for those it refuses."""
+    for name in ("task", "runner"):
+        value = getattr(args, name)
+        if value in _POOLING_TASKS:
+            raise ValueError(f"{name}={value!r} is refused: pooling models (embeddings, classification, scores, "
+                             f"rewards) are not supported by nanokv, which generates text; use {name}='generate'")
+        if value not in ("auto", "generate"):
+            raise ValueError(f"unknown {name} {value!r}; use 'auto' or 'generate'")
+    if args.enable_chunked_prefill is False:
+        raise ValueError("enable_chunked_prefill=False is refused: nanokv always prefills a long prompt in chunks "
+                         "of at most max_num_batched_tokens tokens per step; to prefill whole prompts in one step "
+                         "set max_num_batched_tokens >= max_model_len")
+    if args.enable_chunked_prefill is not None:
+        _check_bool("enable_chunked_prefill", args.enable_chunked_prefill)
+    for name in ("disable_log_stats", "trust_remote_code"):
+        _check_bool(name, getattr(args, name))
+    for name in ("swap_space", "cpu_offload_gb"):
+        value = getattr(args, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"{name} must be a number >= 0 (GiB), got {value!r}")
+    if args.cpu_offload_gb > 0:
+        raise ValueError(f"cpu_offload_gb={args.cpu_offload_gb!r} is refused: nanokv keeps every weight on the "
+                         "device (on the CPU they are in memory already); use cpu_offload_gb=0, device='cpu', "
+                         "quantization='int8' or tensor_parallel_size")
+    if args.max_seq_len_to_capture is not None:
+        _check_int("max_seq_len_to_capture", args.max_seq_len_to_capture, 1)
+    if args.compilation_config is not None and (isinstance(args.compilation_config, bool)
+                                                or not isinstance(args.compilation_config, (int, dict))):
+        raise ValueError(f"compilation_config must be a dict, an int or None, got {args.compilation_config!r}")
+    backend = args.distributed_executor_backend
+    if backend in ("ray", "external_launcher"):
+        why = ("Ray is not supported" if backend == "ray" else
+               "data parallelism runs as nanokv generate under torchrun, one engine per process")
+        raise ValueError(f"distributed_executor_backend={backend!r} is refused: {why}; tensor_parallel_size > 1 "
+                         "runs nanokv's own worker processes ('mp')")
+    if backend not in (None, "mp", "uni"):
+        raise ValueError(f"unknown distributed_executor_backend {backend!r}; use None, 'mp' or 'uni'")
+    if backend == "uni" and args.tensor_parallel_size != 1:
+        raise ValueError("distributed_executor_backend='uni' runs one process, but tensor_parallel_size="
+                         f"{args.tensor_parallel_size}; use 'mp' or None")
+
+
+def _resolve_tokenizer(tokenizer, mode) -> str | None:
+    """The tokenizer's path (None: the model's), and tokenizer_mode checked; LLMEngine loads
+    it and checks its vocabulary against the model's."""
+    import nanokv.gguf as gguf
+
+    if mode == "mistral":
+        raise ValueError("tokenizer_mode='mistral' (mistral_common's tokenizer) is not supported; use 'auto' "
+                         "with a tokenizer directory holding tokenizer.json")
+    if mode not in ("auto", "hf", "slow"):
+        raise ValueError(f"unknown tokenizer_mode {mode!r}; use 'auto', 'hf' or 'slow'")
+    if tokenizer is None:
+        return None
+    if not isinstance(tokenizer, str):
+        raise ValueError(f"tokenizer must be a path, got {tokenizer!r}")
+    path = gguf.resolve_model(tokenizer)
+    if not os.path.isdir(path) and gguf.find_gguf(path) is None:
+        raise ValueError(f"tokenizer {tokenizer!r} is neither a directory nor a .gguf file; give a local "
+                         "tokenizer directory (tokenizer.json and the like) or .gguf file")
+    if mode == "slow" and gguf.find_gguf(path) is not None:
+        raise ValueError("tokenizer_mode='slow' has no meaning for a .gguf tokenizer (transformers reads it as "
+                         "a fast one); use tokenizer_mode='auto'")
+    return path
+
+
+def _served_model_name(value) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"served_model_name must be a non-empty name or list of names, got {value!r}")
+    return tuple(names)
 
 
 def _check_tensor_parallel(n: int, hf_config, device: torch.device) -> None:
@@ -271,16 +418,8 @@ def _eos_token_ids(model: str, hf_config) -> list[int]:
                 ids.append(v)
 
     add(getattr(hf_config, "eos_token_id", None))
-    path = os.path.join(model, "generation_config.json")
-    if os.path.isfile(path):
-        try:
-            with open(path, "rb") as f:
-                generation = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"cannot read {path}: {e}; fix or remove the file") from None
-        if not isinstance(generation, dict):
-            raise ValueError(f"{path} must hold a JSON object, got {type(generation).__name__}; "
-                             "fix or remove the file")
+    generation = read_generation_config(model) if os.path.isdir(model) else None
+    if generation is not None:
         add(generation.get("eos_token_id"))
     vocab = hf_config.vocab_size
     outside = [i for i in ids if not 0 <= i < vocab]

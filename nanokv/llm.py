@@ -43,6 +43,12 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams generate(), chat() and stream() use when given none: the
+        model's generation_config.json defaults (EngineArgs.generation_config; 'vllm': none)
+        over SamplingParams()."""
+        return self.llm_engine.get_default_sampling_params()
+
     def close(self) -> None:
         """Stop tensor-parallel worker processes and free the KV pool now (both also
         happen when the LLM is garbage collected or the program exits; the engine holds
@@ -97,7 +103,8 @@ class LLM:
         """Generate for every prompt; outputs come back in input order.
 
         prompts: a str, a list of str, a list of token ids, or a list of lists of token
-        ids (dicts with "prompt" or "prompt_token_ids" also work). Every request is
+        ids (dicts with "prompt" or "prompt_token_ids" also work). sampling_params None:
+        get_default_sampling_params() (the model's generation config). Every request is
         validated before any work starts: one bad prompt raises ValueError and nothing runs.
         A request that fails inside a step comes back with finish_reason "error" and its
         reason in RequestOutput.error; the others run to the end.
@@ -133,7 +140,8 @@ class LLM:
         if failed:
             logger.warning("%d of %d requests failed in the engine (finish_reason 'error'); first: %s",
                            len(failed), len(results), failed[0].error)
-        logger.info(self.kv_stats().summary())
+        if not self.llm_engine.config.disable_log_stats:
+            logger.info(self.kv_stats().summary())
         return results
 
     def chat(

@@ -52,7 +52,11 @@ class LLMEngine:
         from nanokv.executor import make_executor
 
         self.config = config
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
+        if tokenizer is None:
+            tokenizer = load_tokenizer(config.tokenizer or config.model, use_fast=config.tokenizer_mode != "slow")
+            if config.tokenizer is not None:
+                check_tokenizer_fits(tokenizer, config.tokenizer, config.hf_config.vocab_size)
+        self.tokenizer = tokenizer
         self.executor = make_executor(config)
         self.runner = self.executor.runner  # rank 0's ModelRunner (timers, model) for tools and tests
         self.block_manager = BlockManager(self.executor.num_blocks, config.block_size,
@@ -69,12 +73,17 @@ class LLMEngine:
         self.last_step = StepStats()
         self.lock = threading.RLock()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation config defaults (EngineArgs.
+        generation_config) applied: what a request without sampling params runs with."""
+        return SamplingParams(**self.config.default_sampling_params)
+
     # ---- requests ---------------------------------------------------------------------
     def make_request(self, prompt: PromptType, params: SamplingParams | None = None,
                      request_id: str | None = None, *, stream: bool = False) -> RequestState:
         """Validate and tokenize one request without queueing it (ValueError on bad input)."""
         self._check_open()
-        params = SamplingParams() if params is None else params
+        params = self.get_default_sampling_params() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}; "
                              "build one with SamplingParams(...)")
@@ -361,7 +370,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.tx
                     "sentencepiece.bpe.model", "tekken.json")
 
 
-def load_tokenizer(model: str):
+def load_tokenizer(model: str, use_fast: bool = True):
+    """The tokenizer of a model directory or .gguf file (or of a tokenizer directory);
+    use_fast=False: transformers' slow (Python) tokenizer, for a directory only."""
     from transformers import AutoTokenizer
 
     import nanokv.gguf as gguf
@@ -372,10 +383,18 @@ def load_tokenizer(model: str):
         raise ValueError(f"{model} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])} or similar); "
                          "copy them from the original model repository into the directory")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer = AutoTokenizer.from_pretrained(model, use_fast=use_fast)
     except Exception as e:
         raise ValueError(f"cannot load a tokenizer from {model}: {e}") from e
     if len(tokenizer) < 2:
         raise ValueError(f"the tokenizer in {model} has {len(tokenizer)} tokens; its files are incomplete: "
                          "copy them from the original model repository")
     return tokenizer
+
+
+def check_tokenizer_fits(tokenizer, path: str, vocab_size: int) -> None:
+    """A tokenizer given apart from the model (EngineArgs.tokenizer) must not make token ids
+    the model has no embedding for."""
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"the tokenizer {path} has {len(tokenizer)} tokens but the model's vocabulary is "
+                         f"{vocab_size}: its ids would run past the embedding; give the model's own tokenizer")

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import logging
+import os
+import shutil
 
 import pytest
 
-from nanokv import LLM
+from nanokv import LLM, SamplingParams
 from nanokv.engine.arg_utils import EngineArgs
 from nanokv.entrypoints.cli.arguments import build_parser, engine_args_from_cli
 from nanokv.entrypoints.cli.common import Rank
@@ -40,6 +44,9 @@ def test_cli_flags_are_the_fields_with_their_defaults():
     for a in gen._actions:  # the first flag of each field (--no-prefix-caching comes after)
         actions.setdefault(a.dest, a)
     for f in dataclasses.fields(EngineArgs):
+        if not f.metadata["flag"]:  # served_model_name: serve's own --served-model-name
+            assert f.name not in actions
+            continue
         action = actions[f.name]
         assert action.option_strings[0] == "--" + f.name.replace("_", "-") and action.default == f.default
         formatter = gen._get_formatter()
@@ -68,3 +75,127 @@ def test_add_cli_args_round_trips_every_field():
 def test_bad_engine_values(model_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLM(model_dir, **kwargs)
+
+
+SMALL = dict(kv_cache_memory_bytes=64 << 20, max_model_len=256)
+
+
+def test_did_you_mean_suggests_only_really_close_names():
+    for typo, name in [("gpu_mem_utilization", "gpu_memory_utilization"), ("enforce_eagre", "enforce_eager"),
+                       ("num_gpu_blocks", "num_gpu_blocks_override"), ("enable_prefix_cache", "enable_prefix_caching")]:
+        with pytest.raises(ValueError, match=f"did you mean '{name}'"):
+            EngineArgs.from_kwargs(model="m", **{typo: 1})
+    for far in ("tokenizer_name", "speculative_model", "max_tokens", "kv_cache_size"):
+        with pytest.raises(ValueError, match="known: ") as e:
+            EngineArgs.from_kwargs(model="m", **{far: 1})
+        assert "did you mean" not in str(e.value), far
+
+
+def test_a_vllm_script_arguments_are_accepted_and_the_ineffective_logged_once(model_dir, caplog):
+    vllm_script = dict(
+        trust_remote_code=True, revision="main", tokenizer_revision="main", download_dir="/nonexistent",
+        swap_space=8, cpu_offload_gb=0, max_seq_len_to_capture=4096, compilation_config={"level": 3},
+        distributed_executor_backend="mp", load_format="safetensors", task="generate", runner="auto",
+        enable_chunked_prefill=True, generation_config="auto", tokenizer_mode="auto", hf_overrides={},
+        served_model_name="my-model", pipeline_parallel_size=1, data_parallel_size=1, enable_lora=False,
+        disable_custom_all_reduce=True, **SMALL)
+    with caplog.at_level(logging.INFO, logger="nanokv"):
+        llm = LLM(model_dir, **vllm_script)
+        llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.llm_engine.config.served_model_name == ("my-model",)
+    for given in ("trust_remote_code=True", "revision='main'", "tokenizer_revision='main'",
+                  "download_dir='/nonexistent'", "swap_space=8", "max_seq_len_to_capture=4096",
+                  "compilation_config={'level': 3}", "disable_custom_all_reduce=True"):
+        logged = [r for r in caplog.records if f"engine argument {given}" in r.getMessage()]
+        assert len(logged) == 1 and logged[0].levelno == logging.INFO, given
+    assert not [r for r in caplog.records if "engine argument load_format" in r.getMessage()]  # it has effect
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(enable_chunked_prefill=False), "max_num_batched_tokens >= max_model_len"),
+    (dict(cpu_offload_gb=2), "keeps every weight on the device"),
+    (dict(distributed_executor_backend="ray"), "Ray is not supported"),
+    (dict(distributed_executor_backend="external_launcher"), "torchrun"),
+    (dict(task="embed"), "pooling models"), (dict(runner="pooling"), "pooling models"),
+    (dict(task="transcribe"), "unknown task"),
+    (dict(tokenizer_mode="mistral"), "mistral_common"), (dict(tokenizer_mode="fast"), "unknown tokenizer_mode"),
+    (dict(load_format="gguf"), "is a Hugging Face"), (dict(load_format="dummy"), "random weights"),
+    (dict(load_format="pt"), "safetensors"), (dict(generation_config=3), "generation_config"),
+    (dict(enable_lora=True), "LoRA"), (dict(speculative_config={"num_speculative_tokens": 2}), "speculative"),
+    (dict(pipeline_parallel_size=2), "tensor_parallel_size"), (dict(hf_overrides=[1]), "hf_overrides"),
+    (dict(hf_overrides={"hidden_size": 96}), "hidden"), (dict(served_model_name=""), "served_model_name"),
+    (dict(tokenizer="/nonexistent/tokenizer"), "neither a directory nor a .gguf"),
+])
+def test_vllm_arguments_nanokv_does_not_implement_are_refused_with_a_reason(model_dir, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(model_dir, **SMALL, **kwargs)
+
+
+def test_hf_overrides_are_set_on_the_model_config(model_dir):
+    llm = LLM(model_dir, hf_overrides={"max_position_embeddings": 200}, kv_cache_memory_bytes=64 << 20)
+    assert llm.llm_engine.config.max_model_len == 200  # from the overridden config
+    assert llm.llm_engine.config.hf_config.max_position_embeddings == 200
+    with open(os.path.join(model_dir, "config.json")) as f:
+        assert json.load(f)["max_position_embeddings"] == 1024  # the file is not touched
+    assert LLM(model_dir, kv_cache_memory_bytes=64 << 20).llm_engine.config.max_model_len == 1024
+
+
+def test_a_separate_tokenizer_is_loaded_and_must_fit_the_vocabulary(checkpoint, model_dir, tmp_path):
+    small = checkpoint("qwen3-tiny", vocab_size=512)  # its tokenizer has 512 tokens, the model's 1024
+    tok_dir = tmp_path / "tokenizer"
+    tok_dir.mkdir()
+    for name in os.listdir(small):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(small, name), tok_dir)
+    llm = LLM(model_dir, tokenizer=str(tok_dir), **SMALL)
+    assert len(llm.get_tokenizer()) == 512 != len(LLM(model_dir, **SMALL).get_tokenizer())
+    out = llm.generate("Hello there", SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert out.prompt_token_ids == llm.get_tokenizer()("Hello there").input_ids
+    with pytest.raises(ValueError, match="1024 tokens but the model's vocabulary is 512"):
+        LLM(small, tokenizer=model_dir, **SMALL)
+
+
+def test_disable_log_stats_drops_the_kv_summary_line(llm, model_dir, caplog):
+    quiet = LLM(model_dir, disable_log_stats=True, **SMALL)
+    for engine, expected in ((llm, 1), (quiet, 0)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="nanokv"):
+            engine.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
+        assert sum("KV cache:" in r.getMessage() for r in caplog.records) == expected
+
+
+def test_dict_valued_flags_take_json():
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = parser.parse_args(["--hf-overrides", '{"max_position_embeddings": 4096, "rope_scaling": {"factor": 2}}',
+                              "--compilation-config", "3", "--no-trust-remote-code", "--swap-space", "0.5"])
+    engine = EngineArgs.from_cli_args(args)
+    assert engine.hf_overrides == {"max_position_embeddings": 4096, "rope_scaling": {"factor": 2}}
+    assert (engine.compilation_config, engine.trust_remote_code, engine.swap_space) == (3, False, 0.5)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--hf-overrides", "{max_position_embeddings: 1}"])
+
+
+def test_the_server_answers_to_served_model_name_when_its_flag_gives_none(model_dir):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    import asyncio
+
+    from nanokv.async_llm import AsyncLLM
+    from nanokv.entrypoints.openai.api_server import ServerSettings, build_app
+    from nanokv.llm_engine import LLMEngine
+
+    offline = LLM(model_dir, served_model_name=["my-model", "alias"], **SMALL)
+    llm = AsyncLLM(LLMEngine(offline.llm_engine.config, tokenizer=offline.get_tokenizer()))
+    app = build_app(llm, ServerSettings())  # no --served-model-name
+
+    async def models():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            return await http.get("/v1/models")
+
+    try:
+        resp = asyncio.run(asyncio.wait_for(models(), 60))
+    finally:
+        llm.shutdown()
+    assert [m["id"] for m in resp.json()["data"]] == ["my-model", "alias"]

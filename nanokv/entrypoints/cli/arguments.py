@@ -7,24 +7,28 @@ import argparse
 from nanokv.engine.arg_utils import EngineArgs
 from nanokv.entrypoints.cli.common import InputError, Rank
 from nanokv.entrypoints.openai.settings import ServerSettings
+from nanokv.generation_config import FIELDS as GENERATION_FIELDS
 from nanokv.sampling_params import SamplingParams
 
 
-def sampling_params_from_args(args) -> SamplingParams:
+def sampling_params_from_args(args, defaults: dict | None = None) -> SamplingParams:
+    """The sampling flags as SamplingParams; a generation-config flag not given (the model's
+    defaults: temperature, top_p, ...) takes defaults' value (EngineConfig.default_sampling_params,
+    known once the engine is built), else SamplingParams'."""
     try:
-        return _sampling_params(args)
+        return _sampling_params(args, defaults or {})
     except ValueError as e:
         raise InputError(f"bad sampling flag: {e}") from None
 
 
-def _sampling_params(args) -> SamplingParams:
+def _sampling_params(args, defaults: dict) -> SamplingParams:
+    given = {name: getattr(args, name) for name in GENERATION_FIELDS.values() if hasattr(args, name)}
     return SamplingParams(
-        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        seed=args.sampling_seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+        n=args.n, seed=args.sampling_seed, min_tokens=args.min_tokens,
         ignore_eos=args.ignore_eos, stop=args.stop, stop_token_ids=args.stop_token_ids,
         include_stop_str_in_output=args.include_stop_str_in_output, logprobs=args.logprobs,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, skip_special_tokens=not args.no_skip_special_tokens)
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        skip_special_tokens=not args.no_skip_special_tokens, **{**defaults, **given})
 
 
 def engine_args_from_cli(args, rank: Rank) -> EngineArgs:
@@ -86,20 +90,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = SamplingParams()
     smp = gen.add_argument_group("sampling (SamplingParams defaults; a line's \"sampling_params\" overrides)")
+    model = "default: the model's generation config (--generation-config), else"  # the flags default=SUPPRESS
     smp.add_argument("--n", type=int, default=d.n, help="samples per prompt")
-    smp.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
-    smp.add_argument("--top-p", type=float, default=d.top_p, help="nucleus mass (1 = off)")
-    smp.add_argument("--top-k", type=int, default=d.top_k, help="keep the k most likely (-1 = off)")
-    smp.add_argument("--min-p", type=float, default=d.min_p, help="drop below min_p x the top probability")
+    smp.add_argument("--temperature", type=float, default=argparse.SUPPRESS,
+                     help=f"0 = greedy ({model} {d.temperature})")
+    smp.add_argument("--top-p", type=float, default=argparse.SUPPRESS, help=f"nucleus mass, 1 = off ({model} {d.top_p})")
+    smp.add_argument("--top-k", type=int, default=argparse.SUPPRESS,
+                     help=f"keep the k most likely, -1 = off ({model} {d.top_k})")
+    smp.add_argument("--min-p", type=float, default=argparse.SUPPRESS,
+                     help=f"drop below min_p x the top probability ({model} {d.min_p})")
     smp.add_argument("--sampling-seed", type=int, default=None, help="SamplingParams.seed for every line")
-    smp.add_argument("--max-tokens", type=int, default=d.max_tokens, help="generated-token limit")
+    smp.add_argument("--max-tokens", type=int, default=argparse.SUPPRESS,
+                     help=f"generated-token limit ({model} {d.max_tokens})")
     smp.add_argument("--min-tokens", type=int, default=d.min_tokens, help="no EOS or stop before this many")
     smp.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     smp.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     smp.add_argument("--stop-token-ids", type=int, nargs="+", default=None, help="token ids that end generation")
     smp.add_argument("--include-stop-str-in-output", action="store_true", help="keep the stop string in the text")
     smp.add_argument("--logprobs", type=int, default=None, help="top-N logprobs per generated token")
-    smp.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty, help="1 = off")
+    smp.add_argument("--repetition-penalty", type=float, default=argparse.SUPPRESS,
+                     help=f"1 = off ({model} {d.repetition_penalty})")
     smp.add_argument("--presence-penalty", type=float, default=d.presence_penalty, help="0 = off")
     smp.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty, help="0 = off")
     smp.add_argument("--no-skip-special-tokens", action="store_true", help="keep special tokens in the text")

@@ -57,7 +57,7 @@ def generate(args) -> int:
     rank = Rank.from_env()
     if rank.world_size > 1:
         _die_with_agent()
-    base = sampling_params_from_args(args)
+    base = sampling_params_from_args(args)  # the flags checked now; the model's defaults join once it loads
     engine_args = engine_args_from_cli(args, rank)
     group = _gloo_group(args.rendezvous_timeout, args.dist_timeout) if rank.world_size > 1 else None
     files = ShardFiles.of(args.output, rank)
@@ -72,11 +72,13 @@ def generate(args) -> int:
         err = JsonlWriter(files.errors, args.fsync_every, args.fsync_seconds)
         try:
             if llm is not None:
+                base = sampling_params_from_args(args, llm.llm_engine.config.default_sampling_params)
                 seed = llm.llm_engine.config.seed if args.line_seeds else None
                 items = read_shard(source, scan, rank, skip, llm.get_tokenizer(), base, seed, args.id_from_line)
                 run(llm.llm_engine, items, out, err, counts, args.window, progress=args.progress and rank.rank == 0)
-                with _engine_errors():
-                    logger.info(llm.kv_stats().summary())
+                if not llm.llm_engine.config.disable_log_stats:
+                    with _engine_errors():
+                        logger.info(llm.kv_stats().summary())
         finally:
             try:
                 out.close()

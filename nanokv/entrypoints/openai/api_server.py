@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -52,6 +53,8 @@ OFFLOAD_BYTES = 64 * 2**10  # bodies this big are parsed and tokenized off the e
 
 def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     """The ASGI app over an AsyncLLM (started in the app's lifespan, shut down after)."""
+    if not settings.model_names:  # no --served-model-name: EngineArgs.served_model_name, else the model
+        settings = dataclasses.replace(settings, model_names=llm.config.served_model_name or (llm.config.model,))
     prometheus_client.disable_created_metrics()
     metrics = ServerMetrics(settings.model_names[0])
     llm.stat_loggers.append(metrics.record)

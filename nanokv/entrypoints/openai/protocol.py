@@ -143,17 +143,20 @@ _UNSUPPORTED_CHAT = {
 }
 
 
-def parse_completion(body: dict, model_names: list[str], limits: Limits) -> GenerationRequest:
-    """POST /v1/completions."""
+def parse_completion(body: dict, model_names: list[str], limits: Limits,
+                     defaults: dict | None = None) -> GenerationRequest:
+    """POST /v1/completions. defaults: SamplingParams field -> the model's default
+    (EngineConfig.default_sampling_params) for the fields the request leaves unset."""
     _check_unsupported(body, _UNSUPPORTED_COMPLETION)
     model = _model(body, model_names)
     prompts = _prompts(body.get("prompt"))
     for prompt in prompts:
         if isinstance(prompt, str):
             limits.check_text(len(prompt), "prompt")
-    kwargs = _sampling_kwargs(body)
-    # OpenAI's and vLLM's default is 16 tokens; an explicit null means up to max_model_len
-    kwargs["max_tokens"] = body["max_tokens"] if "max_tokens" in body else 16
+    kwargs = _sampling_kwargs(body, defaults)
+    # unset: the model's default, else OpenAI's and vLLM's 16 tokens; an explicit null means
+    # up to max_model_len
+    kwargs["max_tokens"] = body["max_tokens"] if "max_tokens" in body else kwargs.get("max_tokens", 16)
     logprobs = body.get("logprobs")
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
@@ -165,20 +168,23 @@ def parse_completion(body: dict, model_names: list[str], limits: Limits) -> Gene
                              {"prompt": "prompt", **names})
 
 
-def parse_chat(body: dict, model_names: list[str], tokenizer, limits: Limits) -> GenerationRequest:
-    """POST /v1/chat/completions; the messages are rendered with the chat template."""
+def parse_chat(body: dict, model_names: list[str], tokenizer, limits: Limits,
+               defaults: dict | None = None) -> GenerationRequest:
+    """POST /v1/chat/completions; the messages are rendered with the chat template.
+    defaults: as parse_completion's."""
     _check_unsupported(body, _UNSUPPORTED_CHAT)
     model = _model(body, model_names)
     messages = _messages(body.get("messages"))
     limits.check_text(sum(len(m["content"]) + len(m["role"]) + len(m.get("name", "")) for m in messages),
                       "messages")
     add_generation_prompt = _get(body, "add_generation_prompt", bool, "true or false", True)
-    kwargs = _sampling_kwargs(body)
+    kwargs = _sampling_kwargs(body, defaults)
     names = {"prompt": "messages"}
     if body.get("max_completion_tokens") is not None:
         kwargs["max_tokens"], names["max_tokens"] = body["max_completion_tokens"], "max_completion_tokens"
-    else:
-        kwargs["max_tokens"], names["max_tokens"] = body.get("max_tokens"), "max_tokens"
+    else:  # unset or null: the model's default, else as many as fit
+        given = body.get("max_tokens")
+        kwargs["max_tokens"], names["max_tokens"] = kwargs.get("max_tokens") if given is None else given, "max_tokens"
     want_logprobs = _get(body, "logprobs", bool, "true or false", False)
     top = body.get("top_logprobs")
     if top is not None and not want_logprobs:
@@ -330,8 +336,11 @@ def _content(content, where: str) -> str:
     return "\n".join(texts)
 
 
-def _sampling_kwargs(body: dict) -> dict:
-    return {name: body[name] for name in _SAMPLING if body.get(name) is not None}
+def _sampling_kwargs(body: dict, defaults: dict | None = None) -> dict:
+    """The request's sampling fields over the model's defaults (vLLM's rule: a default
+    fills each field the request leaves unset or null)."""
+    given = {name: body[name] for name in _SAMPLING if body.get(name) is not None}
+    return {**(defaults or {}), **given}
 
 
 def _sampling_params(kwargs: dict, names: dict[str, str]) -> SamplingParams:

@@ -106,6 +106,9 @@ class OpenAIServing:
         self.max_response_tokens = max_response_tokens
         self.token_text = TokenText(llm.tokenizer)
         self.limits = Limits.of(llm.tokenizer, llm.config.max_model_len)
+        self.sampling_defaults = llm.config.default_sampling_params  # for the fields a request leaves unset
+        if self.sampling_defaults:
+            logger.info("Using default sampling params from model generation config: %s", self.sampling_defaults)
 
     async def completions(self, body: dict, request: Request, *, offload: bool = False) -> Response:
         """offload: validate and tokenize in a worker thread (a big body must not stall
@@ -149,8 +152,8 @@ class OpenAIServing:
 
     def _prepare(self, body: dict, chat: bool, response_id: str) -> tuple[GenerationRequest, list[RequestState]]:
         """The body, validated, as engine requests (nothing queued yet)."""
-        gen = (parse_chat(body, self.model_names, self.llm.tokenizer, self.limits) if chat
-               else parse_completion(body, self.model_names, self.limits))
+        gen = (parse_chat(body, self.model_names, self.llm.tokenizer, self.limits, self.sampling_defaults) if chat
+               else parse_completion(body, self.model_names, self.limits, self.sampling_defaults))
         self.llm.check_room(len(gen.prompts) * gen.params.n)  # before tokenizing a big batch
         reqs = self._make_requests(gen, response_id)
         if not gen.stream:

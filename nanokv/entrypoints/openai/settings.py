@@ -12,7 +12,8 @@ from dataclasses import dataclass
 class ServerSettings:
     """What the server needs besides the engine arguments."""
 
-    model_names: tuple[str, ...]  # --served-model-name (the first is reported), else the model
+    # --served-model-name (the first is reported); empty: EngineArgs.served_model_name, else the model
+    model_names: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
