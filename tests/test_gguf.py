@@ -598,3 +598,20 @@ def test_an_unwritable_cache_root_still_loads(cache_root, gguf_file, caplog):
             assert nk_gguf.load_tokenizer(path).chat_template.startswith("{% for m in messages %}")
     assert len(CountingReader.opened) == 4 and cache_root.read_text() == "a file, not a folder"
     assert caplog.text.count("not caching") == 4
+
+
+def test_a_gguf_has_no_generation_defaults_and_load_format_is_checked(gguf_file, checkpoint, tmp_path):
+    """A .gguf carries no generation_config.json: 'auto' gives SamplingParams() (vLLM's
+    answer too), even beside such a file; a directory given as generation_config still works."""
+    path = gguf_file("qwen3-tiny")
+    shutil.copy(path, tmp_path / "model.gguf")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "max_new_tokens": 5}))
+    small = dict(kv_cache_memory_bytes=64 << 20, max_model_len=128)
+    llm = LLM(str(tmp_path), load_format="gguf", **small)
+    assert llm.get_default_sampling_params() == SamplingParams()
+    d = LLM(path, generation_config=str(tmp_path), **small).get_default_sampling_params()
+    assert (d.temperature, d.max_tokens) == (0.3, 5)
+    with pytest.raises(ValueError, match="is a GGUF file"):
+        LLM(path, load_format="safetensors", **small)
+    tokenized = LLM(checkpoint("qwen3-tiny"), tokenizer=path, **small).get_tokenizer()  # a .gguf's tokenizer
+    assert tokenized("Hello there").input_ids == llm.get_tokenizer()("Hello there").input_ids
