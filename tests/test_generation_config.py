@@ -14,7 +14,7 @@ import pytest
 
 from nanokv import LLM, SamplingParams
 from nanokv.entrypoints.cli import main
-from nanokv.entrypoints.openai.protocol import Limits, parse_chat, parse_completion
+from nanokv.entrypoints.openai.protocol import APIError, Limits, parse_chat, parse_completion
 from nanokv.llm import render_chat
 
 SMALL = dict(kv_cache_memory_bytes=64 << 20, max_model_len=256)
@@ -102,6 +102,12 @@ def test_the_server_fills_only_the_fields_a_request_leaves_unset(sampled_llm):
                         sampled_llm.get_tokenizer(), limits, defaults).params
     assert (params.temperature, params.top_p, params.max_tokens) == (1.5, 0.9, 2)
     assert parse_chat(chat, ["m"], sampled_llm.get_tokenizer(), limits).params.max_tokens is None
+    # a default above max_model_len is no request for that many (an explicit one is a 400)
+    big = {**defaults, "max_tokens": 5000}
+    assert parse_completion({"prompt": "Hi"}, ["m"], limits, big).params.max_tokens == 256
+    assert parse_chat(chat, ["m"], sampled_llm.get_tokenizer(), limits, big).params.max_tokens == 256
+    with pytest.raises(APIError, match="more than max_model_len"):
+        parse_completion({"prompt": "Hi", "max_tokens": 5000}, ["m"], limits, defaults)
 
 
 def test_the_server_app_applies_the_defaults_and_logs_them(sampled_llm, caplog):

@@ -78,8 +78,9 @@ class EngineArgs:
     tokenizer: str | None = _arg(None, "a tokenizer directory (tokenizer.json and the like), a .gguf file or a "
                                  "built-in name to tokenize with instead of the model's; its vocabulary must fit "
                                  "the model's; None: the model's own")
-    tokenizer_mode: str = _arg("auto", "'auto' or 'hf': the fast tokenizer where there is one; 'slow': the "
-                               "Python one (not for .gguf files); 'mistral' is not supported")
+    tokenizer_mode: str = _arg("auto", "'auto' or 'hf': the fast tokenizer where there is one; 'slow': "
+                               "transformers' Python one where there is one (not for .gguf files); 'mistral' "
+                               "is not supported")
     trust_remote_code: bool = _arg(False, "no effect: nanokv runs its own code for the architectures it "
                                    "supports and never executes a checkpoint's Python", no_effect=True)
     revision: str | None = _arg(None, "no effect: models are local paths, nothing is downloaded",
@@ -248,7 +249,7 @@ _VLLM_ONLY: dict[str, tuple[tuple | None, str]] = {
                            "engine per device (nanokv generate does so under torchrun)"),
     "kv_transfer_config": ((None,), "KV cache transfer between instances is not supported by nanokv"),
     "enable_sleep_mode": ((False,), "sleep mode is not supported by nanokv"),
-    "limit_mm_per_prompt": ((None,), "multimodal inputs are not supported by nanokv"),
+    "limit_mm_per_prompt": ((None, {}), "multimodal inputs are not supported by nanokv"),
     "pooler_config": ((None,), "pooling models are not supported by nanokv"),
     "override_pooler_config": ((None,), "pooling models are not supported by nanokv"),
     "disable_custom_all_reduce": (None, "tensor parallelism uses torch.distributed's all-reduce"),

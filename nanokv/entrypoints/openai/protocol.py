@@ -156,7 +156,7 @@ def parse_completion(body: dict, model_names: list[str], limits: Limits,
     kwargs = _sampling_kwargs(body, defaults)
     # unset: the model's default, else OpenAI's and vLLM's 16 tokens; an explicit null means
     # up to max_model_len
-    kwargs["max_tokens"] = body["max_tokens"] if "max_tokens" in body else kwargs.get("max_tokens", 16)
+    kwargs["max_tokens"] = body["max_tokens"] if "max_tokens" in body else _unset_max_tokens(defaults, limits, 16)
     logprobs = body.get("logprobs")
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
@@ -184,7 +184,8 @@ def parse_chat(body: dict, model_names: list[str], tokenizer, limits: Limits,
         kwargs["max_tokens"], names["max_tokens"] = body["max_completion_tokens"], "max_completion_tokens"
     else:  # unset or null: the model's default, else as many as fit
         given = body.get("max_tokens")
-        kwargs["max_tokens"], names["max_tokens"] = kwargs.get("max_tokens") if given is None else given, "max_tokens"
+        kwargs["max_tokens"] = _unset_max_tokens(defaults, limits, None) if given is None else given
+        names["max_tokens"] = "max_tokens"
     want_logprobs = _get(body, "logprobs", bool, "true or false", False)
     top = body.get("top_logprobs")
     if top is not None and not want_logprobs:
@@ -341,6 +342,14 @@ def _sampling_kwargs(body: dict, defaults: dict | None = None) -> dict:
     fills each field the request leaves unset or null)."""
     given = {name: body[name] for name in _SAMPLING if body.get(name) is not None}
     return {**(defaults or {}), **given}
+
+
+def _unset_max_tokens(defaults: dict | None, limits: Limits, fallback: int | None) -> int | None:
+    """max_tokens for a request that sets none: the model's default, at most max_model_len
+    (a default is no request for more; the engine clamps it to what the prompt leaves),
+    else `fallback`."""
+    value = (defaults or {}).get("max_tokens", fallback)
+    return value if value is None else min(value, limits.max_model_len)
 
 
 def _sampling_params(kwargs: dict, names: dict[str, str]) -> SamplingParams:
