@@ -98,17 +98,19 @@ def test_a_vllm_script_arguments_are_accepted_and_the_ineffective_logged_once(mo
         distributed_executor_backend="mp", load_format="safetensors", task="generate", runner="auto",
         enable_chunked_prefill=True, generation_config="auto", tokenizer_mode="auto", hf_overrides={},
         served_model_name="my-model", pipeline_parallel_size=1, data_parallel_size=1, enable_lora=False,
-        disable_custom_all_reduce=True, **SMALL)
+        disable_custom_all_reduce=True, skip_tokenizer_init=False, hf_token=None, scheduling_policy="fcfs",
+        limit_mm_per_prompt={}, async_scheduling=True, **SMALL)
     with caplog.at_level(logging.INFO, logger="nanokv"):
         llm = LLM(model_dir, **vllm_script)
         llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
     assert llm.llm_engine.config.served_model_name == ("my-model",)
     for given in ("trust_remote_code=True", "revision='main'", "tokenizer_revision='main'",
                   "download_dir='/nonexistent'", "swap_space=8", "max_seq_len_to_capture=4096",
-                  "compilation_config={'level': 3}", "disable_custom_all_reduce=True"):
+                  "compilation_config={'level': 3}", "disable_custom_all_reduce=True", "async_scheduling=True"):
         logged = [r for r in caplog.records if f"engine argument {given}" in r.getMessage()]
         assert len(logged) == 1 and logged[0].levelno == logging.INFO, given
-    assert not [r for r in caplog.records if "engine argument load_format" in r.getMessage()]  # it has effect
+    for quiet in ("load_format", "skip_tokenizer_init", "hf_token", "scheduling_policy"):  # effect, or off
+        assert not [r for r in caplog.records if f"engine argument {quiet}" in r.getMessage()], quiet
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -122,7 +124,8 @@ def test_a_vllm_script_arguments_are_accepted_and_the_ineffective_logged_once(mo
     (dict(load_format="gguf"), "is a Hugging Face"), (dict(load_format="dummy"), "random weights"),
     (dict(load_format="pt"), "safetensors"), (dict(generation_config=3), "generation_config"),
     (dict(enable_lora=True), "LoRA"), (dict(speculative_config={"num_speculative_tokens": 2}), "speculative"),
-    (dict(pipeline_parallel_size=2), "tensor_parallel_size"), (dict(hf_overrides=[1]), "hf_overrides"),
+    (dict(pipeline_parallel_size=2), "tensor_parallel_size"), (dict(scheduling_policy="priority"), "first come"),
+    (dict(logits_processors=[print]), "logits processors"), (dict(hf_overrides=[1]), "hf_overrides"),
     (dict(hf_overrides={"hidden_size": 96}), "hidden"), (dict(served_model_name=""), "served_model_name"),
     (dict(tokenizer="/nonexistent/tokenizer"), "neither a directory nor a .gguf"),
 ])

@@ -252,6 +252,20 @@ _VLLM_ONLY: dict[str, tuple[tuple | None, str]] = {
     "limit_mm_per_prompt": ((None, {}), "multimodal inputs are not supported by nanokv"),
     "pooler_config": ((None,), "pooling models are not supported by nanokv"),
     "override_pooler_config": ((None,), "pooling models are not supported by nanokv"),
+    "mm_processor_kwargs": ((None, {}), "multimodal inputs are not supported by nanokv"),
+    "allowed_local_media_path": ((None, ""), "multimodal inputs are not supported by nanokv"),
+    "logits_processors": ((None, []), "custom logits processors are not supported by nanokv"),
+    "scheduling_policy": (("fcfs",), "requests are scheduled first come, first served; priorities are not "
+                          "supported by nanokv"),
+    "enable_expert_parallel": ((False,), "expert parallelism is not supported by nanokv"),
+    "calculate_kv_scales": ((False,), "fp8 KV scales are computed per token as it is written; use "
+                            "kv_cache_dtype"),
+    "skip_tokenizer_init": (None, "the tokenizer is always loaded (outputs carry text as well as token ids)"),
+    "hf_token": (None, "nothing is downloaded"),
+    "model_impl": (None, "nanokv runs its own model code"),
+    "async_scheduling": (None, "steps are scheduled one after another"),
+    "structured_outputs_config": (None, "structured outputs are not supported yet"),
+    "use_tqdm_on_load": (None, "loading shows no progress bar"),
     "disable_custom_all_reduce": (None, "tensor parallelism uses torch.distributed's all-reduce"),
     "disable_async_output_proc": (None, "outputs are processed after each step"),
 }
@@ -259,7 +273,8 @@ _VLLM_ONLY: dict[str, tuple[tuple | None, str]] = {
 
 def _check_vllm_only(name: str, value) -> None:
     off, reason = _VLLM_ONLY[name]
-    if off is None:
-        logger.info("engine argument %s=%r has no effect in nanokv: %s", name, value, reason)
+    if off is None:  # no effect: logged when it asks for something
+        if value is not None and value is not False:
+            logger.info("engine argument %s=%r: no effect here: %s", name, value, reason)
     elif not any(value is v or (type(value) is type(v) and value == v) for v in off):
         raise ValueError(f"{name}={value!r} is refused: {reason}")
