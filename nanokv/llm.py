@@ -57,6 +57,12 @@ class LLM:
         progress; that thread's call then raises RuntimeError."""
         self.llm_engine.close()  # under the engine's lock
 
+    def get_metrics(self) -> list:
+        """vLLM's LLM.get_metrics(): every vllm: metric of this engine (the names the server's
+        /metrics serves) as vllm.v1.metrics.reader records: nanokv.metrics.reader's Counter,
+        Gauge and Histogram, each with name, labels and value (or count, sum, buckets)."""
+        return self.llm_engine.get_metrics()  # under the engine's lock
+
     def kv_stats(self) -> KVStats:
         """KV pool use, fragmentation, prefix-cache hits and preemptions so far."""
         return self.llm_engine.kv_stats()  # under the engine's lock

@@ -24,8 +24,9 @@ from nanokv.engine.scheduler import Scheduler, SchedulerConfig
 from nanokv.engine.sequence import Sequence
 from nanokv.engine.stats import KVStats
 from nanokv.engine.types import EngineDeadError, ScheduledBatch, StepOutput
+from nanokv.metrics import EngineMetrics, EngineSnapshot
 from nanokv.output_processor import OutputProcessor, RequestState
-from nanokv.outputs import RequestOutput
+from nanokv.outputs import RequestMetrics, RequestOutput
 from nanokv.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -72,6 +73,12 @@ class LLMEngine:
         self._closed: str | None = None  # why the engine no longer runs (closed, or a dead worker)
         self.last_step = StepStats()
         self.lock = threading.RLock()
+        self.metrics = EngineMetrics(_model_name(config), config.max_model_len, {
+            "block_size": str(config.block_size), "num_gpu_blocks": str(self.executor.num_blocks),
+            "cache_dtype": config.kv_cache_dtype, "enable_prefix_caching": str(config.enable_prefix_caching),
+            "gpu_memory_utilization": str(config.gpu_memory_utilization),
+            "kv_cache_memory_bytes": str(config.kv_cache_memory_bytes)})
+        self._prefilling: dict[str, RequestState] = {}  # scheduled, no token yet (for their first-token time)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation config defaults (EngineArgs.
@@ -83,6 +90,7 @@ class LLMEngine:
                      request_id: str | None = None, *, stream: bool = False) -> RequestState:
         """Validate and tokenize one request without queueing it (ValueError on bad input)."""
         self._check_open()
+        arrival = RequestMetrics.now()
         params = self.get_default_sampling_params() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}; "
@@ -112,7 +120,9 @@ class LLMEngine:
         room = max_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seqs = [Sequence(request_id, token_ids, params, max_tokens, index=i) for i in range(params.n)]
-        return self.output_processor.new_request(request_id, text, token_ids, params, stream, seqs)
+        req = self.output_processor.new_request(request_id, text, token_ids, params, stream, seqs)
+        req.metrics = arrival
+        return req
 
     def _check_params(self, params: SamplingParams) -> None:
         """The bounds that depend on the model (SamplingParams checks the rest itself)."""
@@ -152,6 +162,7 @@ class LLMEngine:
         if req.request_id in self._requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use; pick a unique id")
         req.sink = sink
+        req.metrics.queued_ts = time.monotonic()
         self._requests[req.request_id] = req
         self.output_processor.add(req)
         for seq in req.seqs:
@@ -183,9 +194,13 @@ class LLMEngine:
             req = self._requests.pop(str(request_id), None)
             if req is None:
                 return
+            reasons = [seq.finish_reason if seq.is_finished else "abort" for seq in req.seqs]
             for seq in req.seqs:
                 self.output_processor.forget(seq)
                 self.scheduler.abort(seq)
+            self._prefilling.pop(req.request_id, None)
+            req.metrics.finished_ts = time.monotonic()
+            self.metrics.count_finished(reasons)
 
     def has_request(self, request_id: str) -> bool:
         """Whether the request is queued or running (not finished, failed or aborted)."""
@@ -197,6 +212,17 @@ class LLMEngine:
     def kv_stats(self) -> KVStats:
         with self.lock:
             return dataclasses.replace(self.scheduler.kv_stats(), bytes_per_token=self.runner.kv_bytes_per_token)
+
+    def snapshot(self, num_handed: int = 0) -> EngineSnapshot:
+        """The gauges of the metrics; num_handed: sequences a front end holds for admission."""
+        with self.lock:
+            sched = self.scheduler
+            return EngineSnapshot(len(sched.running), len(sched.waiting) + num_handed, self.kv_stats())
+
+    def get_metrics(self) -> list:
+        """Every vllm: metric as vLLM's reader records (nanokv.metrics.reader)."""
+        with self.lock:
+            return self.metrics.get_metrics(self.snapshot())
 
     def close(self) -> None:
         """Stop the executor (tensor-parallel workers); later calls raise RuntimeError. Waits
@@ -224,8 +250,12 @@ class LLMEngine:
         """Run one batch. Each request's outputs go to its sink, or wait for step()."""
         self._check_open()
         start = time.perf_counter()
+        sched = self.scheduler
+        num_running = len(sched.running)
         with _sigint_deferred():  # the bookkeeping below must not stop halfway
-            batch = self.scheduler.schedule()
+            batch = sched.schedule()
+            if len(sched.running) > num_running:  # admissions join the end (none in a step that preempts)
+                self._admitted(sched.running[num_running:])
         if not batch.seqs:
             self.last_step = StepStats()
             return
@@ -234,6 +264,40 @@ class LLMEngine:
             self._apply(batch, output, failed)
         decodes = _num_decodes(batch)
         self.last_step = StepStats(batch.num_tokens - decodes, decodes, time.perf_counter() - start)
+
+    def _admitted(self, seqs: list[Sequence]) -> None:
+        """Stamp the first scheduling of the requests these admitted sequences belong to."""
+        now = time.monotonic()
+        for seq in seqs:
+            req = self._requests.get(seq.request_id)
+            if req is None or req.metrics.scheduled_ts:  # readmitted after a preemption, or a later sample
+                continue
+            req.metrics.scheduled_ts = now
+            req.num_cached_tokens = seq.num_cached_tokens
+            self._prefilling[req.request_id] = req
+
+    def _first_tokens(self, now: float) -> None:
+        """Stamp the requests whose first token came in this step."""
+        done = [req for req in self._prefilling.values() if any(seq.num_output_tokens for seq in req.seqs)]
+        for req in done:
+            del self._prefilling[req.request_id]
+            m = req.metrics
+            m.first_token_ts = m.last_token_ts = now
+            self.metrics.on_first_token(m.first_token_latency, len(req.prompt_token_ids))
+
+    def _finished(self, req: RequestState, now: float) -> None:
+        m, seqs = req.metrics, req.seqs
+        m.last_token_ts = m.finished_ts = now  # a request ends in the step of its last token
+        m.num_generation_tokens = sum(seq.num_output_tokens for seq in seqs)
+        self.metrics.on_finished(m, len(req.prompt_token_ids), [seq.finish_reason for seq in seqs], len(seqs),
+                                 req.params.max_tokens, [seq.num_output_tokens for seq in seqs])
+
+    def _stream_tokens(self, req: RequestState, out: RequestOutput, now: float) -> None:
+        """A streamed delta's inter-token latency (its first token has none)."""
+        m = req.metrics
+        if m.last_token_ts and m.last_token_ts != now and any(c.token_ids for c in out.outputs):
+            self.metrics.on_inter_token(now - m.last_token_ts)
+            m.last_token_ts = now
 
     def _execute(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, StepOutput, dict[str, str]]:
         """Run the batch; when it fails, run its sequences one by one so that a request
@@ -277,6 +341,11 @@ class LLMEngine:
 
     def _apply(self, batch: ScheduledBatch, output: StepOutput, failed: dict[str, str]) -> None:
         finished = self.scheduler.update(batch, output) if batch.seqs else []
+        now = time.monotonic()
+        if batch.seqs:
+            self.metrics.on_step(batch.num_tokens, len(output.sampled_token_ids))
+        if self._prefilling:
+            self._first_tokens(now)
         touched: dict[str, RequestState] = {}
         for seq, stop in self.output_processor.update_text(batch, touched):
             if not seq.is_finished:
@@ -291,7 +360,12 @@ class LLMEngine:
             touched[req.request_id] = req
         for req in touched.values():
             if req.stream or req.finished:
-                self._emit(req, self.output_processor.output(req))
+                out = self.output_processor.output(req)
+                if req.stream:
+                    self._stream_tokens(req, out, now)
+                if req.finished:
+                    self._finished(req, now)
+                self._emit(req, out)
             if req.finished:
                 del self._requests[req.request_id]
         for request_id, reason in failed.items():
@@ -304,6 +378,9 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.abort(seq, reason="error")
                 req.num_finished += 1
+        self._prefilling.pop(req.request_id, None)
+        req.metrics.finished_ts = time.monotonic()
+        self.metrics.count_finished([seq.finish_reason for seq in req.seqs])
         out = self.output_processor.output(req)
         out.error = reason
         del self._requests[req.request_id]
@@ -314,6 +391,14 @@ class LLMEngine:
 
 
 _NUM_GENERATED = operator.attrgetter("num_generated")
+
+
+def _model_name(config: EngineConfig) -> str:
+    """The metrics' model_name label: the served model name where one is set, else the model."""
+    name = getattr(config, "served_model_name", None)
+    if isinstance(name, (list, tuple)):
+        name = name[0] if name else None
+    return name or config.model
 
 
 def _num_decodes(batch: ScheduledBatch) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from nanokv.detokenizer import IncrementalDetokenizer
 from nanokv.engine.sequence import Sequence
 from nanokv.engine.types import ScheduledBatch
-from nanokv.outputs import CompletionOutput, Logprob, RequestOutput
+from nanokv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanokv.sampling_params import SamplingParams
 
 
@@ -47,6 +47,8 @@ class RequestState:
     text: list[TextState | None] = field(default_factory=list)
     stops: StopStrings | None = None  # params.stop's matcher, shared by the samples
     num_finished: int = 0
+    metrics: RequestMetrics = field(default_factory=RequestMetrics.now)  # its times (the engine stamps them)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
 
     @property
     def finished(self) -> bool:
@@ -136,7 +138,8 @@ class OutputProcessor:
     def _final_output(self, req: RequestState) -> RequestOutput:
         outputs = [self._completion(req, i, self._text(req, i), seq.output_token_ids, 0)
                    for i, seq in enumerate(req.seqs)]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, finished=True)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, finished=True,
+                             metrics=req.metrics, num_cached_tokens=req.num_cached_tokens)
 
     def _delta_output(self, req: RequestState) -> RequestOutput:
         outputs = []
@@ -153,7 +156,7 @@ class OutputProcessor:
             state.sent_chars, state.sent_tokens = len(text), seq.num_output_tokens
             state.sent_final = seq.is_finished
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs,
-                             finished=req.finished)
+                             finished=req.finished, metrics=req.metrics, num_cached_tokens=req.num_cached_tokens)
 
     def _format_logprobs(self, seq: Sequence, start: int) -> list[dict[int, Logprob]]:
         """vLLM's shape: per generated token, {token id: Logprob} with the top-N and the
