@@ -453,14 +453,14 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{([^}]*)\})?\s+(\S+)")
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {name: value} for the samples labelled by model_name alone."""
+    """Prometheus text -> {name: value} for the samples labelled by model_name (and engine) alone."""
     values = {}
     for line in text.splitlines():
         match = _SAMPLE.match(line)
         if match is None:
             continue
         name, labels, value = match.groups()
-        if any(not part.startswith("model_name=") for part in (labels or "").split(",") if part):
+        if any(not part.startswith(("model_name=", "engine=")) for part in (labels or "").split(",") if part):
             continue  # finished_reason, le=...: not needed here
         with contextlib.suppress(ValueError):
             values[name] = float(value)
@@ -540,9 +540,9 @@ def run_one(engine: Engine, workload: str, sessions: list[Session], load: Load, 
                    max_concurrency=load.max_concurrency, requests=len(results), **summarize(results, seconds))
         if engine.nanokv:
             after = nanokv_counters(engine.url)
-            queries = after.get("nanokv:prefix_cache_queries_total", 0) - before.get(
-                "nanokv:prefix_cache_queries_total", 0)
-            hits = after.get("nanokv:prefix_cache_hits_total", 0) - before.get("nanokv:prefix_cache_hits_total", 0)
+            queries = after.get("vllm:prefix_cache_queries_total", 0) - before.get(
+                "vllm:prefix_cache_queries_total", 0)
+            hits = after.get("vllm:prefix_cache_hits_total", 0) - before.get("vllm:prefix_cache_hits_total", 0)
             total = peak["total_blocks"] or int(after.get("nanokv:kv_cache_total_blocks", 0))
             # a run shorter than the poll interval is seen by the server's own peak gauge (a
             # fresh server: its peak is this run's, or the one-request warm-up's if larger)
@@ -551,8 +551,8 @@ def run_one(engine: Engine, workload: str, sessions: list[Session], load: Load, 
                                  prefix_cache_hit_tokens=int(hits), prefix_cache_query_tokens=int(queries),
                                  peak_kv_used_blocks=peak["used_blocks"], kv_total_blocks=total,
                                  peak_kv_usage=round(peak["used_blocks"] / total, 4) if total else None,
-                                 preemptions=int(after.get("nanokv:num_preemptions_total", 0)
-                                                 - before.get("nanokv:num_preemptions_total", 0)))
+                                 preemptions=int(after.get("vllm:num_preemptions_total", 0)
+                                                 - before.get("vllm:num_preemptions_total", 0)))
         return row
     finally:
         engine.stop()

@@ -22,15 +22,13 @@ import asyncio
 import itertools
 import logging
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from nanokv.engine.arg_utils import EngineArgs
-from nanokv.engine.stats import KVStats
 from nanokv.engine.types import EngineDeadError
 from nanokv.llm_engine import LLMEngine, PromptType
+from nanokv.metrics import EngineSnapshot
 from nanokv.output_processor import RequestState
 from nanokv.outputs import RequestOutput
 from nanokv.sampling_params import SamplingParams
@@ -46,43 +44,7 @@ class RequestAbortedError(RuntimeError):
     """The request was aborted for the server's sake (it is shutting down)."""
 
 
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine's gauges, read between two steps."""
-
-    num_running: int  # sequences (a request's n samples count n)
-    num_waiting: int  # sequences queued for admission, handed-over ones included
-    kv: KVStats
-
-
-@dataclass(frozen=True)
-class FinishedRequestStats:
-    finish_reasons: tuple[str, ...]  # one per sample: "stop", "length" or "error"
-    e2e_latency: float  # seconds from add to the last output
-    num_prompt_tokens: int
-    num_generation_tokens: int
-
-
-@dataclass
-class IterationStats:
-    """What one engine step delivered to the streams (for metrics)."""
-
-    num_prompt_tokens: int = 0  # prompts of the requests whose first tokens came
-    num_generation_tokens: int = 0
-    time_to_first_tokens: list[float] = field(default_factory=list)  # streaming requests only
-    inter_token_latencies: list[float] = field(default_factory=list)  # one per streaming request and step
-    finished: list[FinishedRequestStats] = field(default_factory=list)
-
-
-@dataclass
-class _Timing:
-    arrival: float
-    num_prompt_tokens: int
-    stream: bool  # deltas each step; else one output at the end (no first-token time)
-    first_token: float | None = None
-    last_token: float = 0.0
-    num_generation_tokens: int = 0
-    finish_reasons: list[str] = field(default_factory=list)
+__all__ = ["AsyncLLM", "EngineSnapshot", "QueueFullError", "RequestAbortedError", "RequestStream"]
 
 
 class RequestStream:
@@ -92,11 +54,10 @@ class RequestStream:
     next_outputs() waits for what has arrived and returns it ([] once every request has
     finished); close() aborts the unfinished ones (also on leaving `async with`)."""
 
-    def __init__(self, llm: "AsyncLLM", requests: list[RequestState], arrival: float):
+    def __init__(self, llm: "AsyncLLM", requests: list[RequestState]):
         self._llm = llm
         self.request_ids = [r.request_id for r in requests]
         self._unfinished = set(self.request_ids)
-        self._timing = {r.request_id: _Timing(arrival, len(r.prompt_token_ids), r.stream) for r in requests}
         self._items: list[RequestOutput] = []
         self._ready = asyncio.Event()
         self._error: BaseException | None = None
@@ -135,25 +96,8 @@ class RequestStream:
         self.close()
 
     # ---- fed by AsyncLLM on the event loop ------------------------------------------------
-    def _push(self, out: RequestOutput, now: float, stats: IterationStats) -> None:
-        t = self._timing[out.request_id]
-        new = sum(len(c.token_ids) for c in out.outputs)
-        if new:
-            if t.first_token is None:
-                t.first_token = now
-                stats.num_prompt_tokens += t.num_prompt_tokens
-                if t.stream:
-                    stats.time_to_first_tokens.append(now - t.arrival)
-            else:
-                stats.inter_token_latencies.append(now - t.last_token)
-            t.last_token = now
-            t.num_generation_tokens += new
-            stats.num_generation_tokens += new
-        t.finish_reasons += [c.finish_reason for c in out.outputs if c.finish_reason is not None]
+    def _push(self, out: RequestOutput) -> None:
         if out.finished:
-            reasons = tuple(t.finish_reasons) or ("error",)
-            stats.finished.append(FinishedRequestStats(reasons, now - t.arrival, t.num_prompt_tokens,
-                                                       t.num_generation_tokens))
             self._unfinished.discard(out.request_id)
         self._items.append(out)
         self._ready.set()
@@ -173,7 +117,7 @@ class AsyncLLM:
 
     max_waiting: the most sequences queued for admission (waiting in the scheduler or
     handed over); add() beyond it raises QueueFullError. None: no bound.
-    stat_loggers: callables given an IterationStats on the event loop after each step.
+    The engine records the metrics itself (engine.metrics, nanokv.metrics).
     """
 
     def __init__(self, engine: LLMEngine, *, max_waiting: int | None = None):
@@ -188,7 +132,6 @@ class AsyncLLM:
         # truncation or padding set by tokenizer.json (a write): do that once, here.
         engine.tokenizer("warm up")
         self.max_waiting = max_waiting
-        self.stat_loggers: list = []
         self._cond = threading.Condition()
         self._commands: list[tuple[str, object]] = []  # guarded by _cond
         self._num_handed = 0  # sequences handed over, not yet in the scheduler (guarded by _cond)
@@ -271,7 +214,7 @@ class AsyncLLM:
         """Validate and tokenize one request in the caller (ValueError on bad input); no
         engine state changes. stream=True: its outputs are deltas, one per step that moves
         it; False: one output when it finishes (the engine then does no per-step text work
-        for it, and metrics get no first-token or inter-token times from it)."""
+        for it, and the inter-token latency metric does not see it)."""
         self._check_alive()
         if request_id is None:
             request_id = f"{self._id_prefix}-{next(self._ids)}"
@@ -297,7 +240,7 @@ class AsyncLLM:
         if self._loop is None:
             self.start()
         num_seqs = sum(len(r.seqs) for r in requests)
-        stream = RequestStream(self, requests, time.monotonic())
+        stream = RequestStream(self, requests)
         with self._cond:
             self._check_alive()
             if self._stopping or self._draining:
@@ -359,20 +302,14 @@ class AsyncLLM:
         except RuntimeError:  # the loop is closed: nobody is left to tell
             pass
 
-    def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
-        stats = IterationStats()
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted meanwhile
                 continue
-            stream._push(out, now, stats)
+            stream._push(out)
             if out.finished:
                 del self._streams[out.request_id]
-        for stat_logger in self.stat_loggers:
-            try:
-                stat_logger(stats)
-            except Exception:  # noqa: BLE001 - metrics must not break delivery
-                logger.exception("a stat logger failed")
 
     def _fail_streams(self, error: BaseException) -> None:
         streams = set(self._streams.values())
@@ -449,7 +386,7 @@ class AsyncLLM:
                 self._in_loop(_resolve, payload, self._snapshot())
         self._num_engine_waiting = len(engine.scheduler.waiting)  # aborts shrink it too
         if failed:
-            self._in_loop(self._deliver, failed, time.monotonic())
+            self._in_loop(self._deliver, failed)
 
     def _step(self) -> None:
         engine, sink = self.engine, self._sink
@@ -473,7 +410,7 @@ class AsyncLLM:
         for out in outputs:
             if out.finished:
                 self._live.discard(out.request_id)
-        self._in_loop(self._deliver, outputs, time.monotonic())
+        self._in_loop(self._deliver, outputs)
 
     def _abort_live(self) -> None:
         for request_id in list(self._live):
@@ -481,9 +418,7 @@ class AsyncLLM:
         self._live.clear()
 
     def _snapshot(self) -> EngineSnapshot:
-        scheduler = self.engine.scheduler
-        return EngineSnapshot(len(scheduler.running), len(scheduler.waiting) + self._num_handed,
-                              self.engine.kv_stats())
+        return self.engine.snapshot(self._num_handed)
 
     def _die(self, reason: str) -> None:
         self._dead = reason

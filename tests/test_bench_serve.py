@@ -82,10 +82,12 @@ def test_loads_arrivals_and_statistics():
 
 
 def test_metrics_parsing_and_the_request_bodies():
-    text = ('# HELP x\nnanokv:kv_cache_used_blocks{model_name="m"} 7.0\n'
-            'nanokv:request_success_total{finished_reason="stop",model_name="m"} 3.0\n'
-            'nanokv:e2e_request_latency_seconds_bucket{le="0.1",model_name="m"} 1.0\nplain 2\n')
-    assert serve.parse_metrics(text) == {"nanokv:kv_cache_used_blocks": 7.0, "plain": 2.0}
+    text = ('# HELP x\nnanokv:kv_cache_used_blocks{engine="0",model_name="m"} 7.0\n'
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 5.0\n'
+            'vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 3.0\n'
+            'vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.1",model_name="m"} 1.0\nplain 2\n')
+    assert serve.parse_metrics(text) == {"nanokv:kv_cache_used_blocks": 7.0, "vllm:prefix_cache_hits_total": 5.0,
+                                         "plain": 2.0}
     setup = serve.Setup("/m", "/m.gguf", 4096, 512, 2, "/bin/llama-server", 10, "/tmp")
     messages = [{"role": "user", "content": "Hi"}]
     nano = serve.Engine("nanokv", setup).body(messages, 8)

@@ -135,7 +135,7 @@ def metrics(url: str) -> dict:
     values = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = {k: v for k, v in sample.labels.items() if k != "model_name"}
+            labels = {k: v for k, v in sample.labels.items() if k not in ("model_name", "engine")}
             key = sample.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else "")
             values[key] = sample.value
     return values
@@ -146,8 +146,8 @@ def wait_idle(url: str, timeout: float = 10) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(url)
-        idle = (m["nanokv:num_requests_running"], m["nanokv:num_requests_waiting"],
-                m["nanokv:kv_cache_used_blocks"], m["nanokv:kv_cache_usage_perc"],
+        idle = (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"],
+                m["nanokv:kv_cache_used_blocks"], m["vllm:kv_cache_usage_perc"],
                 m["nanokv:kv_cache_fragmentation_tokens"]) == (0, 0, 0, 0, 0)
         if idle or time.monotonic() > deadline:
             assert idle, {k: v for k, v in m.items() if "bucket" not in k}

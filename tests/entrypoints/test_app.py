@@ -105,7 +105,7 @@ def test_a_dead_engine_turns_health_503_and_requests_503(offline):
     check_error(failed, 503, "rank 1 died")
     check_error(sick, 503, "rank 1 died")
     check_error(refused, 503, "rank 1 died")
-    assert metrics.status_code == 200 and "nanokv:num_requests_running" in metrics.text
+    assert metrics.status_code == 200 and "vllm:num_requests_running" in metrics.text
 
 
 def test_api_key_guards_every_v1_route_only(offline):

@@ -285,7 +285,8 @@ def assert_idle(server, timeout: float = 10) -> dict:
 
 
 def successes(m: dict) -> float:
-    return sum(v for k, v in m.items() if k.startswith("nanokv:request_success_total"))
+    """Samples run to the end (stop, length, error), not aborted ones."""
+    return sum(v for k, v in m.items() if k.startswith("vllm:request_success_total") and "=abort" not in k)
 
 
 LONG = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": None, "ignore_eos": True, "temperature": 0, "n": 4}
@@ -293,7 +294,8 @@ LONG = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": None, "ignore_eos": 
 
 def test_a_client_that_disconnects_mid_stream_aborts_its_request(long_server):
     server = long_server
-    before = successes(assert_idle(server))
+    start = assert_idle(server)
+    before = successes(start)
     with httpx.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True}, headers=AUTH,
                       timeout=30) as resp:
         lines = resp.iter_lines()
@@ -301,6 +303,8 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(long_server):
     assert any(line.startswith("data: {") for line in got)
     after = assert_idle(server)
     assert successes(after) == before  # aborted, not run to the end
+    aborted = "vllm:request_success_total{finished_reason=abort}"
+    assert after[aborted] - start[aborted] == LONG["n"]  # each sample ends as "abort"
 
 
 def test_a_non_streaming_client_that_goes_away_aborts_its_request(long_server):
@@ -385,24 +389,24 @@ def test_metrics_parse_and_add_up(server, client):
 
     assert len(usages) == 5
     prompt, completion = sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages)
-    assert delta("nanokv:request_success_total{finished_reason=stop}") + \
-        delta("nanokv:request_success_total{finished_reason=length}") == 5
-    assert delta("nanokv:request_success_total{finished_reason=error}") == 0
-    assert delta("nanokv:prompt_tokens_total") == prompt
-    assert delta("nanokv:generation_tokens_total") == completion
-    assert delta("nanokv:prefix_cache_queries_total") == prompt  # one lookup per admission, no preemption
-    assert delta("nanokv:prefix_cache_hits_total") >= 16
-    assert delta("nanokv:e2e_request_latency_seconds_count") == 5
-    streamed = usages[3:]  # first-token and inter-token times come from streamed requests
-    assert delta("nanokv:time_to_first_token_seconds_count") == 2
-    assert delta("nanokv:inter_token_latency_seconds_count") == sum(u.completion_tokens for u in streamed) - 2
-    assert delta("nanokv:num_preemptions_total") == 0
+    assert delta("vllm:request_success_total{finished_reason=stop}") + \
+        delta("vllm:request_success_total{finished_reason=length}") == 5
+    assert delta("vllm:request_success_total{finished_reason=error}") == 0
+    assert delta("vllm:prompt_tokens_total") == prompt
+    assert delta("vllm:generation_tokens_total") == completion
+    assert delta("vllm:prefix_cache_queries_total") == prompt  # one lookup per admission, no preemption
+    assert delta("vllm:prefix_cache_hits_total") >= 16
+    assert delta("vllm:e2e_request_latency_seconds_count") == 5
+    assert delta("vllm:time_to_first_token_seconds_count") == 5  # streamed or not
+    streamed = usages[3:]  # inter-token times come from streamed requests
+    assert delta("vllm:inter_token_latency_seconds_count") == sum(u.completion_tokens for u in streamed) - 2
+    assert delta("vllm:num_preemptions_total") == 0
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
         buckets = sorted((float(k.split("le=")[1].rstrip("}")), v) for k, v in after.items()
-                         if k.startswith(f"nanokv:{name}_bucket"))
+                         if k.startswith(f"vllm:{name}_bucket"))
         counts = [v for _, v in buckets]
         assert counts == sorted(counts) and buckets[-1][0] == float("inf")
-        assert buckets[-1][1] == after[f"nanokv:{name}_count"]
+        assert buckets[-1][1] == after[f"vllm:{name}_count"]
 
 
 def test_health_models_and_the_api_key(server, client):
@@ -549,8 +553,8 @@ def test_bad_requests_are_400_and_touch_nothing(server, path, body, param, match
     assert (error["type"], error["code"], error["param"]) == ("BadRequestError", 400, param), error
     assert match in error["message"], error["message"]
     after = metrics(server.url)
-    for name in ("nanokv:prefix_cache_queries_total", "nanokv:num_requests_running",
-                 "nanokv:num_requests_waiting", "nanokv:kv_cache_used_blocks"):
+    for name in ("vllm:prefix_cache_queries_total", "vllm:num_requests_running",
+                 "vllm:num_requests_waiting", "nanokv:kv_cache_used_blocks"):
         assert after[name] == before[name], name
 
 
@@ -593,4 +597,4 @@ def test_fuzzed_requests_never_break_the_server(server):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     assert_idle(server)
     m = metrics(server.url)
-    assert m["nanokv:request_success_total{finished_reason=error}"] == 0
+    assert m["vllm:request_success_total{finished_reason=error}"] == 0

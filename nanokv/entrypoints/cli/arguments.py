@@ -170,6 +170,9 @@ def _add_serve_parser(sub) -> None:
                       help="most open client connections; at the limit a new one closes the oldest not being "
                            "served, or gets 503 (default: what the file descriptor limit allows, raised to the "
                            "hard limit at start)")
+    http.add_argument("--enable-prompt-tokens-details", action="store_true",
+                      help="report usage.prompt_tokens_details.cached_tokens: the prompt tokens found in the "
+                           "prefix cache (default: prompt_tokens_details is null)")
     http.add_argument("--uvicorn-log-level", default=ServerSettings.log_level,
                       choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
     eng = srv.add_argument_group("engine (LLM(...) arguments)")

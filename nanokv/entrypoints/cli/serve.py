@@ -71,7 +71,8 @@ def serve(args) -> int:
             max_response_tokens=args.max_response_tokens, shutdown_timeout=args.shutdown_timeout,
             timeout_keep_alive=args.timeout_keep_alive, timeout_request_read=args.timeout_request_read,
             timeout_response_write=args.timeout_response_write,
-            max_connections=args.max_connections, log_level=args.uvicorn_log_level)
+            max_connections=args.max_connections, log_level=args.uvicorn_log_level,
+            enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     except ValueError as e:
         raise InputError(str(e)) from None
     try:

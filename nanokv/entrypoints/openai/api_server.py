@@ -56,9 +56,9 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     if not settings.model_names:  # no --served-model-name: EngineArgs.served_model_name, else the model
         settings = dataclasses.replace(settings, model_names=llm.config.served_model_name or (llm.config.model,))
     prometheus_client.disable_created_metrics()
-    metrics = ServerMetrics(settings.model_names[0])
-    llm.stat_loggers.append(metrics.record)
-    serving = OpenAIServing(llm, list(settings.model_names), settings.max_response_tokens)
+    metrics = ServerMetrics(llm.engine.metrics, settings.model_names[0])
+    serving = OpenAIServing(llm, list(settings.model_names), settings.max_response_tokens,
+                            enable_prompt_tokens_details=settings.enable_prompt_tokens_details)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -75,10 +75,18 @@ def _logprob(value: float) -> float:
 class _Usage:
     prompt_tokens: int
     completion_tokens: int = 0
+    # prompt tokens found in the prefix cache, per request (--enable-prompt-tokens-details); None: not reported
+    cached_tokens: dict[str, int] | None = None
 
     def as_dict(self) -> dict:
+        details = None if self.cached_tokens is None else {"cached_tokens": sum(self.cached_tokens.values())}
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens, "prompt_tokens_details": None}
+                "total_tokens": self.prompt_tokens + self.completion_tokens, "prompt_tokens_details": details}
+
+    def note(self, out) -> None:
+        """Take a request's cached-token count from its latest output."""
+        if self.cached_tokens is not None:
+            self.cached_tokens[out.request_id] = out.num_cached_tokens
 
 
 @dataclass
@@ -100,10 +108,12 @@ class _Choice:
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, model_names: list[str], max_response_tokens: int):
+    def __init__(self, llm: AsyncLLM, model_names: list[str], max_response_tokens: int, *,
+                 enable_prompt_tokens_details: bool = False):
         self.llm = llm
         self.model_names = model_names
         self.max_response_tokens = max_response_tokens
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.token_text = TokenText(llm.tokenizer)
         self.limits = Limits.of(llm.tokenizer, llm.config.max_model_len)
         self.sampling_defaults = llm.config.default_sampling_params  # for the fields a request leaves unset
@@ -249,7 +259,8 @@ class _Answer:
         n = gen.params.n
         self.base = {r.request_id: i * n for i, r in enumerate(reqs)}
         self.num_choices = len(reqs) * n
-        self.usage = _Usage(sum(len(r.prompt_token_ids) for r in reqs))
+        self.usage = _Usage(sum(len(r.prompt_token_ids) for r in reqs),
+                            cached_tokens={} if serving.enable_prompt_tokens_details else None)
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.gen.model,
@@ -261,6 +272,7 @@ class _Answer:
         for out in outputs:
             if out.error is not None:
                 raise _engine_failure(self.id, out.error)
+            self.usage.note(out)
             for c in out.outputs:
                 choices[self.base[out.request_id] + c.index].add(c)
         self.usage.completion_tokens = sum(len(ch.token_ids) for ch in choices)
@@ -304,6 +316,7 @@ class _Answer:
                     if out.error is not None:
                         yield _sse(_engine_failure(self.id, out.error).body()) + _DONE
                         return
+                    self.usage.note(out)
                     for c in out.outputs:
                         index = self.base[out.request_id] + c.index
                         self.usage.completion_tokens += len(c.token_ids)

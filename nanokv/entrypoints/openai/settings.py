@@ -38,6 +38,9 @@ class ServerSettings:
     timeout_response_write: float = 30.0
     max_connections: int | None = None  # None: as many as the file descriptor limit allows (connections.py)
     log_level: str = "info"  # uvicorn's
+    # usage.prompt_tokens_details = {"cached_tokens": prompt tokens found in the prefix cache}
+    # (vLLM's --enable-prompt-tokens-details); False: null
+    enable_prompt_tokens_details: bool = False
 
     def __post_init__(self) -> None:
         if self.api_key is not None:
