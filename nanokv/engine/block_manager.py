@@ -221,6 +221,20 @@ class BlockManager:
             self._clear_in_flight(seq, first, num_full)
         seq.num_hashed_blocks = num_full
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache: after new weights, say).
+        Only when no sequence holds a block, as in vLLM: returns False and changes nothing
+        otherwise. The lookup counters go on counting."""
+        if self.num_used_blocks:
+            return False
+        for block_id in self.cached.values():
+            block = self.blocks[block_id]
+            block.block_hash = None
+            block.token_ids = None
+        self.cached.clear()
+        self.num_free_cached = 0
+        return True
+
     def _register(self, seq: Sequence, i: int) -> None:
         """Block i of seq (full, its hash known) into the prefix cache, unless it is there."""
         h, bs = seq.block_hashes[i], self.block_size

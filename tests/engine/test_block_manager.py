@@ -157,3 +157,27 @@ def test_double_free_is_caught():
     a.block_table.extend(table)
     with pytest.raises(AssertionError):
         bm.free(a)
+
+
+def test_reset_prefix_cache_forgets_every_cached_block_only_when_none_is_used():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_seq(range(10))
+    admit(bm, a)
+    computed(bm, a, 10)  # blocks 0 and 1 cached
+    assert sorted(bm.cached.values()) == [0, 1]
+    # a sequence holds blocks: refused, nothing changes (vLLM returns False too)
+    assert not bm.reset_prefix_cache()
+    assert sorted(bm.cached.values()) == [0, 1] and bm.blocks[0].block_hash is not None
+    bm.free(a)
+    assert bm.num_free_cached == 2 and bm.find_cached_prefix(make_seq(range(10))) == [0, 1]
+    assert bm.reset_prefix_cache()
+    assert bm.cached == {} and bm.num_free_cached == 0 and bm.num_free_blocks == 8
+    assert all(b.block_hash is None and b.token_ids is None for b in bm.blocks)
+    # the same prompt now misses and computes its blocks again
+    b = make_seq(range(10))
+    assert admit(bm, b) == []
+    assert b.block_table == [2, 3, 4]  # the free queue's order: a's tail block first, then the unused
+    computed(bm, b, 10)
+    assert sorted(bm.cached.values()) == [2, 3]
+    bm.free(b)
+    assert bm.num_free_cached == 2
