@@ -1,20 +1,34 @@
-"""nanokv: a small, fast LLM inference engine built around a paged KV cache."""
+"""nanokv: a small, fast LLM inference engine built around a paged KV cache.
 
-from nanokv.outputs import RequestOutput
-from nanokv.sampling_params import SamplingParams
+vLLM's top-level names work here (LLMEngine, AsyncLLMEngine and AsyncEngineArgs are the
+same objects as nanokv's LLMEngine, AsyncLLM and EngineArgs); a vLLM name nanokv does not
+support (LoRA, pooling, beam search) raises an error that says so."""
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput"]
+import importlib
+
+from nanokv.inputs import PromptType, TextPrompt, TokensPrompt
+from nanokv.outputs import CompletionOutput, RequestOutput
+from nanokv.sampling_params import RequestOutputKind, SamplingParams
+from nanokv.unsupported import missing
+
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestOutputKind",
+           "TextPrompt", "TokensPrompt", "PromptType", "EngineArgs", "AsyncEngineArgs", "LLMEngine",
+           "AsyncLLMEngine"]
 __version__ = "0.1.0"
+
+# Imported on first use: LLM pulls in torch, and the torch-free engine stays torch-free.
+_LAZY = {
+    "LLM": ("nanokv.llm", "LLM"),
+    "AsyncLLM": ("nanokv.async_llm", "AsyncLLM"),
+    "AsyncLLMEngine": ("nanokv.async_llm", "AsyncLLM"),
+    "LLMEngine": ("nanokv.llm_engine", "LLMEngine"),
+    "EngineArgs": ("nanokv.engine.arg_utils", "EngineArgs"),
+    "AsyncEngineArgs": ("nanokv.engine.arg_utils", "EngineArgs"),
+}
 
 
 def __getattr__(name):
-    # LLM pulls in torch; import it on first use so the torch-free engine stays torch-free.
-    if name == "LLM":
-        from nanokv.llm import LLM
-
-        return LLM
-    if name == "AsyncLLM":
-        from nanokv.async_llm import AsyncLLM
-
-        return AsyncLLM
-    raise AttributeError(f"module 'nanokv' has no attribute {name!r}")
+    if name in _LAZY:
+        module, attribute = _LAZY[name]
+        return getattr(importlib.import_module(module), attribute)
+    raise missing(__name__, name)

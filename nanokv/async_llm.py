@@ -27,11 +27,11 @@ from collections.abc import AsyncIterator
 
 from nanokv.engine.arg_utils import EngineArgs
 from nanokv.engine.types import EngineDeadError
-from nanokv.llm_engine import LLMEngine, PromptType
+from nanokv.llm_engine import LLMEngine, PromptType, check_vllm_extras
 from nanokv.metrics import EngineSnapshot
-from nanokv.output_processor import RequestState
+from nanokv.output_processor import RequestState, accumulate
 from nanokv.outputs import RequestOutput
-from nanokv.sampling_params import SamplingParams
+from nanokv.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("nanokv")
 
@@ -102,6 +102,12 @@ class RequestStream:
         self._items.append(out)
         self._ready.set()
 
+    def _aborted(self, request_id: str) -> None:
+        """AsyncLLM.abort dropped the request: it gets nothing more, and the stream ends
+        once the others have."""
+        self._unfinished.discard(request_id)
+        self._ready.set()
+
     def _fail(self, error: BaseException) -> None:
         self._error = error
         self._unfinished = set()
@@ -112,8 +118,8 @@ class AsyncLLM:
     """An LLMEngine driven by a background thread, for asyncio callers.
 
     >>> llm = AsyncLLM.from_engine_args(EngineArgs(model="path/to/model"))
-    >>> async for delta in llm.generate("Hello", SamplingParams(max_tokens=8)):
-    ...     print(delta.outputs[0].text, end="")
+    >>> async for out in llm.generate("Hello", SamplingParams(max_tokens=8), "req-0"):
+    ...     print(out.outputs[0].text)  # the text so far
 
     max_waiting: the most sequences queued for admission (waiting in the scheduler or
     handed over); add() beyond it raises QueueFullError. None: no bound.
@@ -152,7 +158,13 @@ class AsyncLLM:
         self._live: set[str] = set()  # requests in the engine
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, **kwargs) -> "AsyncLLM":
+    def from_engine_args(cls, args: EngineArgs, start_engine_loop: bool = True, usage_context=None,
+                         stat_loggers=None, **kwargs) -> "AsyncLLM":
+        """An AsyncLLM over a new engine (kwargs: max_waiting). vLLM's start_engine_loop
+        and usage_context have no effect (the loop starts with the first request)."""
+        if stat_loggers is not None:
+            raise ValueError("stat_loggers (vLLM's logger factories) is not supported; append a callable "
+                             "taking an IterationStats to the AsyncLLM's stat_loggers list instead")
         return cls(LLMEngine(args.create_engine_config()), **kwargs)
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -253,25 +265,40 @@ class AsyncLLM:
             self._streams[request_id] = stream
         return stream
 
-    async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield one request's deltas (new text and token ids of each sample that moved);
-        the last has finished=True. Closing the generator early aborts the request (Python
-        closes an abandoned one only when it is collected: wrap it in
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *, lora_request=None, tokenization_kwargs=None,
+                       trace_headers=None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yield one request's outputs as sampling_params.output_kind asks (vLLM's): each
+        step that moves it, CUMULATIVE (the default) the whole output so far, DELTA only
+        the new text and token ids of each sample that moved; FINAL_ONLY one output at the
+        end. The last has finished=True. Closing the generator early aborts the request
+        (Python closes an abandoned one only when it is collected: wrap it in
         contextlib.aclosing to abort at once). A request that fails in the engine raises
-        RuntimeError."""
-        stream = self.add([self.make_request(prompt, params, request_id)])
+        RuntimeError. trace_headers has no effect; lora_request, tokenization_kwargs and a
+        priority other than 0 are refused."""
+        check_vllm_extras(lora_request, tokenization_kwargs, [priority])
+        kind = RequestOutputKind.CUMULATIVE if sampling_params is None else sampling_params.output_kind
+        request = self.make_request(prompt, sampling_params, request_id, stream=kind != RequestOutputKind.FINAL_ONLY)
+        stream = self.add([request])
+        so_far = None
         async with stream:
             async for out in stream:
                 if out.error is not None:
                     raise RuntimeError(f"request failed: {out.error}")
+                if kind == RequestOutputKind.CUMULATIVE:
+                    out = so_far = accumulate(so_far, out)
                 yield out
 
-    def abort(self, request_ids: list[str]) -> None:
-        """Abort requests (unknown or finished ids are ignored); their streams get nothing
-        more and their KV blocks are free before the engine's next step."""
+    def abort(self, request_ids: str | list[str]) -> None:
+        """Abort requests, one id or a list (unknown or finished ids are ignored); their
+        streams get nothing more (a stream whose requests are all aborted or finished ends)
+        and their KV blocks are free before the engine's next step."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
         for request_id in request_ids:
-            self._streams.pop(request_id, None)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream._aborted(request_id)
         with self._cond:
             if self._dead is None and not self._stopping:
                 self._commands.append(("abort", list(request_ids)))

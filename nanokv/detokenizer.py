@@ -4,6 +4,12 @@ whole sequence each step."""
 from __future__ import annotations
 
 
+def decode_options(spaces_between_special_tokens: bool) -> dict:
+    """tokenizer.decode's keyword for SamplingParams.spaces_between_special_tokens: only
+    when it is off (the default needs none; fast tokenizers ignore it)."""
+    return {} if spaces_between_special_tokens else {"spaces_between_special_tokens": False}
+
+
 class IncrementalDetokenizer:
     """Decodes a short window of the newest tokens each step.
 
@@ -11,9 +17,10 @@ class IncrementalDetokenizer:
     middle of a multi-byte character (decoded as U+FFFD) waits for the next one.
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.options = decode_options(spaces_between_special_tokens)
         self.token_ids: list[int] = []
         self.prefix_offset = 0  # window start: context for the tokenizer's spacing rules
         self.read_offset = 0  # tokens before this are already in self.text
@@ -23,9 +30,9 @@ class IncrementalDetokenizer:
         """Append tokens; returns the newly completed text (possibly "")."""
         self.token_ids.extend(new_token_ids)
         decode = self.tokenizer.decode
-        ids, skip = self.token_ids, self.skip_special_tokens
-        prefix = decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
-        full = decode(ids[self.prefix_offset:], skip_special_tokens=skip)
+        ids, skip, options = self.token_ids, self.skip_special_tokens, self.options
+        prefix = decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip, **options)
+        full = decode(ids[self.prefix_offset:], skip_special_tokens=skip, **options)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         delta = full[len(prefix):]

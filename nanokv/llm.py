@@ -5,15 +5,16 @@ from __future__ import annotations
 import logging
 import numbers
 import time
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Callable, Iterator, Sequence as Seq
 
 from tqdm.auto import tqdm
 
 from nanokv.engine.arg_utils import EngineArgs
 from nanokv.engine.stats import KVStats
-from nanokv.llm_engine import LLMEngine, PromptType, check_text
+from nanokv.llm_engine import LLMEngine, PromptType, check_text, check_vllm_extras
 from nanokv.outputs import RequestOutput
 from nanokv.sampling_params import SamplingParams
+from nanokv.unsupported import BEAM_SEARCH, MULTIMODAL, POOLING
 
 logger = logging.getLogger("nanokv")
 
@@ -41,7 +42,35 @@ class LLM:
         self._lock = self.llm_engine.lock
 
     def get_tokenizer(self):
-        return self.llm_engine.tokenizer
+        return self.llm_engine.get_tokenizer()
+
+    def set_tokenizer(self, tokenizer) -> None:
+        """Use another tokenizer (same ids as the model's) for prompts and output text."""
+        self.llm_engine.set_tokenizer(tokenizer)
+
+    def reset_prefix_cache(self, device=None) -> bool:
+        """Forget every cached prefix (vLLM's; device has no effect). Returns False, and
+        forgets nothing, while requests hold KV blocks (another thread's generate())."""
+        return self.llm_engine.reset_prefix_cache()
+
+    # vLLM's pooling and beam-search methods: not supported here, and they say so
+    def embed(self, *args, **kwargs):
+        raise NotImplementedError(f"LLM.embed: {POOLING}")
+
+    def encode(self, *args, **kwargs):
+        raise NotImplementedError(f"LLM.encode: {POOLING}")
+
+    def classify(self, *args, **kwargs):
+        raise NotImplementedError(f"LLM.classify: {POOLING}")
+
+    def score(self, *args, **kwargs):
+        raise NotImplementedError(f"LLM.score: {POOLING}")
+
+    def reward(self, *args, **kwargs):
+        raise NotImplementedError(f"LLM.reward: {POOLING}")
+
+    def beam_search(self, *args, **kwargs):
+        raise NotImplementedError(f"LLM.beam_search: {BEAM_SEARCH}")
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The SamplingParams generate(), chat() and stream() use when given none: the
@@ -104,17 +133,26 @@ class LLM:
         self,
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable = True,
+        lora_request=None,
+        priority: list[int] | None = None,
+        tokenization_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         prompts: a str, a list of str, a list of token ids, or a list of lists of token
-        ids (dicts with "prompt" or "prompt_token_ids" also work). sampling_params None:
-        get_default_sampling_params() (the model's generation config). Every request is
-        validated before any work starts: one bad prompt raises ValueError and nothing runs.
-        A request that fails inside a step comes back with finish_reason "error" and its
-        reason in RequestOutput.error; the others run to the end.
+        ids (TextPrompt / TokensPrompt dicts with "prompt" or "prompt_token_ids" also
+        work). sampling_params None: get_default_sampling_params() (the model's generation
+        config). Every request is validated before any work starts: one bad prompt raises
+        ValueError and nothing runs. A request that fails inside a step comes back with
+        finish_reason "error" and its reason in RequestOutput.error; the others run to the
+        end. Outputs are final whatever SamplingParams.output_kind says (as in vLLM).
+
+        use_tqdm: show a progress bar (or a tqdm-like class to make it with, as vLLM
+        takes). lora_request, tokenization_kwargs and a non-zero priority are refused
+        (not supported by nanokv).
         """
+        check_vllm_extras(lora_request, tokenization_kwargs, priority or ())
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         engine, lock = self.llm_engine, self._lock
@@ -154,27 +192,47 @@ class LLM:
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-        *,
+        use_tqdm: bool | Callable = True,
+        lora_request=None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or
-        to a list of them, rendered with the tokenizer's chat template."""
+        to a list of them, rendered with the tokenizer's chat template (vLLM's arguments).
+
+        content: a string, or OpenAI's content parts [{"type": "text", "text": ...}],
+        joined with newlines as the server does (chat_template_content_format="openai"
+        hands the parts to the template as they are). continue_final_message: end the
+        prompt inside the last message (an assistant prefix to continue) instead of
+        opening a new one; it needs add_generation_prompt=False. tools go to the template;
+        chat_template_kwargs are passed to tokenizer.apply_chat_template (e.g.
+        {"enable_thinking": False}). lora_request and mm_processor_kwargs are refused."""
+        check_vllm_extras(lora_request)
+        if mm_processor_kwargs:
+            raise ValueError(f"mm_processor_kwargs: {MULTIMODAL}")
         conversations = _as_conversations(messages)
         tokenizer = self.get_tokenizer()
         prompts = []
         with self._lock:  # the tokenizer is not safe to call from two threads at once
             for i, conv in enumerate(conversations):
                 try:
-                    prompts.append(render_chat(tokenizer, conv, chat_template, add_generation_prompt))
+                    prompts.append(render_chat(tokenizer, conv, chat_template, add_generation_prompt,
+                                               continue_final_message=continue_final_message, tools=tools,
+                                               chat_template_kwargs=chat_template_kwargs,
+                                               content_format=chat_template_content_format))
                 except ValueError as e:
                     raise ValueError(f"conversation {i}: {e}" if len(conversations) > 1 else str(e)) from None
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, results, order, sink: list[RequestOutput], use_tqdm: bool) -> None:
         engine, lock = self.llm_engine, self._lock
-        bar = tqdm(total=len(results), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        bar = make_bar(total=len(results), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         prefill_rate = decode_rate = 0.0
         last_postfix = 0.0
         remaining = len(results)
@@ -208,13 +266,39 @@ class LLM:
             bar.close()
 
 
+# apply_chat_template's own arguments: chat_template_kwargs may not set them
+_TEMPLATE_ARGUMENTS = ("conversation", "tokenize", "chat_template", "add_generation_prompt",
+                       "continue_final_message", "tools", "return_dict", "return_tensors")
+
+
 def render_chat(tokenizer, conversation: list[dict], chat_template: str | None = None,
-                add_generation_prompt: bool = True) -> dict:
-    """One conversation -> {"prompt": text, "prompt_token_ids": ids} via the chat template."""
+                add_generation_prompt: bool = True, *, continue_final_message: bool = False,
+                tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+                content_format: str = "auto") -> dict:
+    """One conversation -> {"prompt": text, "prompt_token_ids": ids} via the chat template.
+    Content parts are joined into one string (message_text) unless content_format is
+    "openai"; the other arguments are vLLM's (LLM.chat)."""
     check_messages(conversation)
+    if content_format not in ("auto", "string", "openai"):
+        raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got {content_format!r}")
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message=True continues the last message, add_generation_prompt=True "
+                         "opens a new one: set add_generation_prompt=False")
+    if not isinstance(chat_template_kwargs, (dict, type(None))):
+        raise ValueError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+    extra = dict(chat_template_kwargs or {})
+    clash = [k for k in extra if k in _TEMPLATE_ARGUMENTS]
+    if clash:
+        raise ValueError(f"chat_template_kwargs may not set {clash[0]!r}; pass it as chat()'s own argument")
+    if content_format != "openai":
+        conversation = [m if isinstance(m["content"], str) else {**m, "content": message_text(m["content"],
+                                                                                            f"messages[{i}]")}
+                        for i, m in enumerate(conversation)]
+    if continue_final_message:
+        extra["continue_final_message"] = True
     try:
         text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt, tools=tools, **extra)
     except Exception as e:  # no template, malformed messages
         raise ValueError(f"cannot apply the chat template: {e}") from e
     check_text(text, "the rendered conversation")
@@ -234,7 +318,32 @@ def check_messages(conversation) -> None:
         if isinstance(content, str):
             check_text(content, f"message {i}'s content")
         elif content is not None and not isinstance(content, list):
-            raise ValueError(f"message {i}'s content must be a string, got {type(content).__name__}")
+            raise ValueError(f"message {i}'s content must be a string or a list of text parts, got "
+                             f"{type(content).__name__}")
+
+
+def message_text(content, where: str) -> str:
+    """A message's content as the chat template's string: a string as it is, None as "",
+    OpenAI's content parts ([{"type": "text", "text": ...}]) joined with newlines (vLLM's
+    rule for string templates). ValueError naming where for anything else (images, ...).
+    LLM.chat and the server's chat route both read content through here."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        check_text(content, f"{where}'s content")
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else None
+            why = f"has type {kind!r}; nanokv takes text only" if isinstance(kind, str) and kind != "text" \
+                else 'must be {"type": "text", "text": "..."}'
+            raise ValueError(f"{where}.content[{j}] {why}")
+        check_text(part["text"], f"{where}.content[{j}]")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _as_conversations(messages) -> list:

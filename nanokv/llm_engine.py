@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -24,12 +25,12 @@ from nanokv.engine.scheduler import Scheduler, SchedulerConfig
 from nanokv.engine.sequence import Sequence
 from nanokv.engine.stats import KVStats
 from nanokv.engine.types import EngineDeadError, ScheduledBatch, StepOutput
+from nanokv.inputs import PromptType
 from nanokv.metrics import EngineMetrics, EngineSnapshot
-from nanokv.output_processor import OutputProcessor, RequestState
+from nanokv.output_processor import OutputProcessor, RequestState, accumulate
 from nanokv.outputs import RequestMetrics, RequestOutput
-from nanokv.sampling_params import SamplingParams
-
-PromptType = str | list[int] | dict
+from nanokv.sampling_params import RequestOutputKind, SamplingParams
+from nanokv.unsupported import LORA, MULTIMODAL
 
 logger = logging.getLogger("nanokv")
 
@@ -47,7 +48,16 @@ class LLMEngine:
     """Not thread-safe by itself: `lock` (re-entrant) serializes it. The step API
     (add_request, step, abort, kv_stats, close) takes it on each call; a caller of the
     building blocks (make_request, enqueue, advance) holds it around them, as LLM does, or
-    keeps the engine to one thread, as AsyncLLM does."""
+    keeps the engine to one thread, as AsyncLLM does.
+
+    vLLM's step loop works as in vLLM:
+
+    >>> engine = LLMEngine.from_engine_args(EngineArgs(model="smollm2"))
+    >>> engine.add_request("0", "Hello", SamplingParams(max_tokens=8))
+    >>> while engine.has_unfinished_requests():
+    ...     for out in engine.step():
+    ...         print(out.outputs[0].text)
+    """
 
     def __init__(self, config: EngineConfig, tokenizer=None):
         from nanokv.executor import make_executor
@@ -85,6 +95,29 @@ class LLMEngine:
         generation_config) applied: what a request without sampling params runs with."""
         return SamplingParams(**self.config.default_sampling_params)
 
+    @classmethod
+    def from_engine_args(cls, engine_args, usage_context=None, stat_loggers=None,
+                         enable_multiprocessing: bool = False) -> "LLMEngine":
+        """vLLM's constructor: an engine from EngineArgs. usage_context and
+        enable_multiprocessing are accepted without effect; stat_loggers is not supported
+        (kv_stats() reports the engine's statistics)."""
+        if stat_loggers is not None:
+            raise ValueError("stat_loggers is not supported by nanokv's LLMEngine; read engine.kv_stats() "
+                             "after a step instead")
+        return cls(engine_args.create_engine_config())
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def set_tokenizer(self, tokenizer) -> None:
+        """Use another tokenizer for new requests and for the text of all outputs from now
+        on (it must encode and decode with the same ids as the model's)."""
+        if not callable(tokenizer) or not callable(getattr(tokenizer, "decode", None)):
+            raise ValueError(f"set_tokenizer() takes a tokenizer (callable, with decode()), got "
+                             f"{type(tokenizer).__name__}")
+        with self.lock:
+            self.tokenizer = self.output_processor.tokenizer = tokenizer
+
     # ---- requests ---------------------------------------------------------------------
     def make_request(self, prompt: PromptType, params: SamplingParams | None = None,
                      request_id: str | None = None, *, stream: bool = False) -> RequestState:
@@ -99,9 +132,13 @@ class LLMEngine:
         # changes to the caller's object cannot reach a running request.
         params = dataclasses.replace(params)
         self._check_params(params)
+        if params.logprobs == -1:
+            params.logprobs = self.vocab_size
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt is empty; give at least one token")
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-self._truncation(params.truncate_prompt_tokens):]
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
@@ -124,11 +161,27 @@ class LLMEngine:
         req.metrics = arrival
         return req
 
+    def _truncation(self, k: int) -> int:
+        """How many prompt tokens truncate_prompt_tokens=k keeps (-1: all that leave room
+        for one generated token, as the prompt limit is)."""
+        max_len = self.config.max_model_len
+        if k == -1:
+            return max_len - 1
+        if k > max_len:
+            raise ValueError(f"truncate_prompt_tokens={k} is more than max_model_len={max_len}; pick a smaller "
+                             "value, or -1 for as many as fit")
+        return k
+
     def _check_params(self, params: SamplingParams) -> None:
         """The bounds that depend on the model (SamplingParams checks the rest itself)."""
         vocab, most = self.vocab_size, self.config.max_logprobs
-        if params.logprobs is not None and params.logprobs > min(most, vocab):
-            raise ValueError(f"logprobs={params.logprobs} is more than the {min(most, vocab)} allowed "
+        allowed = vocab if most == -1 else min(most, vocab)
+        if params.logprobs == -1:  # vLLM: the whole vocabulary, if max_logprobs allows that many
+            if most != -1 and most < vocab:
+                raise ValueError(f"logprobs=-1 asks for the whole vocabulary ({vocab} tokens) but max_logprobs is "
+                                 f"{most}; raise max_logprobs to {vocab} or ask for fewer")
+        elif params.logprobs is not None and params.logprobs > allowed:
+            raise ValueError(f"logprobs={params.logprobs} is more than the {allowed} allowed "
                              f"(max_logprobs={most}, vocabulary {vocab}); ask for fewer or raise max_logprobs")
         if params.top_k > vocab:
             raise ValueError(f"top_k={params.top_k} exceeds the vocabulary size {vocab}; "
@@ -137,17 +190,49 @@ class LLMEngine:
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
-    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
-                    request_id: str | None = None, *, stream: bool = False) -> str:
+    def add_request(self, *args, **kwargs) -> str:
         """Queue a request; returns its id. ValueError on bad input (nothing is queued).
 
-        stream=False: step() returns the request once, when all its samples finish.
+        Two argument orders, told apart by the second positional argument:
+
+        nanokv's, add_request(prompt, params=None, request_id=None, *, stream=False):
+        stream=False: step() returns the request once, when all its samples finish
+        (params.output_kind=DELTA streams as stream=True does).
         stream=True: step() returns a delta each step a sample produces tokens
         (CompletionOutput token_ids and text hold only what is new), and finished=True
         on the request's last one.
+
+        vLLM's, add_request(request_id, prompt, params, arrival_time=None,
+        lora_request=None, tokenization_kwargs=None, trace_headers=None, priority=0):
+        step() returns what params.output_kind asks for: CUMULATIVE (the default) the whole
+        output so far each step that moves the request, DELTA only what is new, FINAL_ONLY
+        one output at the end. arrival_time and trace_headers have no effect; lora_request,
+        tokenization_kwargs and a priority other than 0 are refused.
         """
+        if (len(args) >= 2 and not isinstance(args[1], (SamplingParams, type(None)))) or \
+                (len(args) == 1 and "prompt" in kwargs):
+            return self._add_vllm_request(*args, **kwargs)
+        return self._add_request(*args, **kwargs)
+
+    def _add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                     request_id: str | None = None, *, stream: bool = False) -> str:
+        stream = stream or (params is not None and params.output_kind == RequestOutputKind.DELTA)
         with self.lock:
             req = self.make_request(prompt, params, request_id, stream=stream)
+            self.enqueue(req)
+        return req.request_id
+
+    def _add_vllm_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                          arrival_time: float | None = None, lora_request=None, tokenization_kwargs=None,
+                          trace_headers=None, priority: int = 0) -> str:
+        if request_id is None:
+            raise ValueError("request_id is required in vLLM's order, add_request(request_id, prompt, params); "
+                             "or call add_request(prompt, params) and use the id it returns")
+        check_vllm_extras(lora_request, tokenization_kwargs, [priority])
+        kind = RequestOutputKind.CUMULATIVE if params is None else params.output_kind
+        with self.lock:
+            req = self.make_request(prompt, params, request_id, stream=kind != RequestOutputKind.FINAL_ONLY)
+            req.cumulative = kind == RequestOutputKind.CUMULATIVE
             self.enqueue(req)
         return req.request_id
 
@@ -170,6 +255,7 @@ class LLMEngine:
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
+            _check_prompt_keys(prompt)
             if "prompt_token_ids" in prompt:
                 text = prompt.get("prompt")
                 return (text if isinstance(text, str) else None), _token_ids(prompt["prompt_token_ids"])
@@ -201,6 +287,24 @@ class LLMEngine:
             self._prefilling.pop(req.request_id, None)
             req.metrics.finished_ts = time.monotonic()
             self.metrics.count_finished(reasons)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """vLLM's name: abort one request or several (unknown ids are ignored)."""
+        for rid in [request_id] if isinstance(request_id, (str, int)) else list(request_id):
+            self.abort(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether step() has more to do or to return (vLLM's name)."""
+        return self.has_unfinished() or bool(self._unclaimed)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's reset_prefix_cache). Only possible
+        while no request holds blocks: returns False and changes nothing otherwise."""
+        with self.lock:
+            return self.block_manager.reset_prefix_cache()
 
     def has_request(self, request_id: str) -> bool:
         """Whether the request is queued or running (not finished, failed or aborted)."""
@@ -387,6 +491,8 @@ class LLMEngine:
         self._emit(req, out)
 
     def _emit(self, req: RequestState, out: RequestOutput) -> None:
+        if req.cumulative:
+            out = req.so_far = accumulate(req.so_far, out)
         (req.sink if req.sink is not None else self._unclaimed).append(out)
 
 
@@ -406,6 +512,33 @@ def _num_decodes(batch: ScheduledBatch) -> int:
     if batch.num_tokens == len(batch.seqs):  # one token each: one C-level pass
         return len(batch.seqs) - list(map(_NUM_GENERATED, batch.seqs)).count(0)
     return sum(1 for s in batch.seqs if len(s.token_ids) == 1 and s.num_generated > 0)
+
+
+def check_vllm_extras(lora_request=None, tokenization_kwargs=None, priorities: Iterable = ()) -> None:
+    """vLLM's request extras that nanokv cannot honour (add_request, LLM.generate,
+    LLM.chat): ValueError unless they are off."""
+    if lora_request is not None:
+        raise ValueError(f"lora_request: {LORA}")
+    if tokenization_kwargs:
+        raise ValueError("tokenization_kwargs is not supported by nanokv; tokenize the prompt yourself and "
+                         "pass token ids (SamplingParams.truncate_prompt_tokens truncates)")
+    if any(p not in (0, None) for p in priorities):
+        raise ValueError("priority: priority scheduling is not supported by nanokv (requests run first come, "
+                         "first served); drop it")
+
+
+# vLLM's prompt-dict keys nanokv cannot honour, and why (other unknown keys are ignored)
+_PROMPT_KEYS_REFUSED = {
+    "multi_modal_data": MULTIMODAL, "mm_processor_kwargs": MULTIMODAL,
+    "prompt_embeds": "prompt embeddings are not supported by nanokv; send text or token ids",
+    "cache_salt": "cache_salt is not supported by nanokv (every request shares the prefix cache)",
+}
+
+
+def _check_prompt_keys(prompt: dict) -> None:
+    for key, why in _PROMPT_KEYS_REFUSED.items():
+        if prompt.get(key) is not None:
+            raise ValueError(f"prompt key {key!r}: {why}")
 
 
 def check_text(text: str, what: str) -> None:

@@ -10,10 +10,11 @@ deltas into SSE chunks.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
-from nanokv.detokenizer import IncrementalDetokenizer
+from nanokv.detokenizer import IncrementalDetokenizer, decode_options
 from nanokv.engine.sequence import Sequence
 from nanokv.engine.types import ScheduledBatch
 from nanokv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -49,6 +50,8 @@ class RequestState:
     num_finished: int = 0
     metrics: RequestMetrics = field(default_factory=RequestMetrics.now)  # its times (the engine stamps them)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
+    cumulative: bool = False  # a streaming request whose outputs are the whole output so far
+    so_far: RequestOutput | None = None  # cumulative: the last output
 
     @property
     def finished(self) -> bool:
@@ -66,7 +69,8 @@ class OutputProcessor:
         req = RequestState(request_id, prompt, token_ids, params, stream, seqs=seqs,
                            stops=self._stop_strings(params.stop) if params.stop else None)
         watched = stream or bool(params.stop)
-        req.text = [TextState(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens))
+        req.text = [TextState(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
+                                                     params.spaces_between_special_tokens))
                     if watched else None for _ in seqs]
         return req
 
@@ -101,6 +105,8 @@ class OutputProcessor:
             req, index = entry
             seq, state = req.seqs[index], req.text[index]
             touched[req.request_id] = req
+            if not req.params.detokenize:  # token ids only: no text to build
+                continue
             new_ids = seq.output_token_ids[state.num_fed:]
             state.num_fed += len(new_ids)
             delta = state.detok.add(new_ids)
@@ -120,10 +126,13 @@ class OutputProcessor:
 
     def _text(self, req: RequestState, index: int) -> str:
         """A finished sample's whole text."""
-        seq, state = req.seqs[index], req.text[index]
+        seq, state, params = req.seqs[index], req.text[index], req.params
+        if not params.detokenize:
+            return ""
         if state is not None and state.text_end is not None:
             return state.detok.text[:state.text_end]
-        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=params.skip_special_tokens,
+                                     **decode_options(params.spaces_between_special_tokens))
 
     def _completion(self, req: RequestState, index: int, text: str, token_ids: list[int],
                     logprobs_from: int) -> CompletionOutput:
@@ -131,7 +140,7 @@ class OutputProcessor:
         out = CompletionOutput(index=index, text=text, token_ids=token_ids,
                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
         if req.params.logprobs is not None:
-            out.logprobs = self._format_logprobs(seq, logprobs_from)
+            out.logprobs = self._format_logprobs(seq, logprobs_from, req.params.detokenize)
             out.cumulative_logprob = seq.cumulative_logprob
         return out
 
@@ -158,18 +167,37 @@ class OutputProcessor:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs,
                              finished=req.finished, metrics=req.metrics, num_cached_tokens=req.num_cached_tokens)
 
-    def _format_logprobs(self, seq: Sequence, start: int) -> list[dict[int, Logprob]]:
+    def _format_logprobs(self, seq: Sequence, start: int, detokenize: bool = True) -> list[dict[int, Logprob]]:
         """vLLM's shape: per generated token, {token id: Logprob} with the top-N and the
-        sampled token."""
+        sampled token (decoded_token None without detokenize)."""
         result = []
         for token, lp in zip(seq.output_token_ids[start:], seq.logprobs[start:]):
             entry = {tid: Logprob(val, rank) for rank, (tid, val) in enumerate(zip(lp.top_ids, lp.top_logprobs), 1)}
             entry.setdefault(token, Logprob(lp.logprob, lp.rank))
+            result.append(entry)
+            if not detokenize:
+                continue
             ids = list(entry)
             for tid, piece in zip(ids, self.tokenizer.convert_ids_to_tokens(ids)):
                 entry[tid].decoded_token = piece
-            result.append(entry)
         return result
+
+
+def accumulate(so_far: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """The output after so_far and then delta, as vLLM's CUMULATIVE kind returns it: each
+    sample's text, token ids and logprobs from the start. A new object (lists are copied):
+    an output already handed out does not change."""
+    samples = {c.index: c for c in so_far.outputs} if so_far is not None else {}
+    for c in delta.outputs:
+        old = samples.get(c.index)
+        if old is None:
+            samples[c.index] = dataclasses.replace(c, token_ids=list(c.token_ids),
+                                                   logprobs=None if c.logprobs is None else list(c.logprobs))
+        else:
+            logprobs = old.logprobs if c.logprobs is None else (old.logprobs or []) + c.logprobs
+            samples[c.index] = dataclasses.replace(c, text=old.text + c.text, token_ids=old.token_ids + c.token_ids,
+                                                   logprobs=logprobs)
+    return dataclasses.replace(delta, outputs=[samples[i] for i in sorted(samples)])
 
 
 class StopStrings:

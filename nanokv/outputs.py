@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from nanokv.unsupported import missing
+
 
 @dataclass
 class Logprob:
@@ -119,3 +121,7 @@ class RequestOutput:
     error: str | None = None  # why the request failed in a step (its samples end with "error")
     metrics: RequestMetrics | None = None  # the request's times so far (the same object in each delta)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
+
+
+def __getattr__(name: str):
+    raise missing(__name__, name)

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import difflib
+import enum
+import functools
 import math
 import numbers
 from dataclasses import dataclass, field
+from typing import Any
+
+from nanokv.unsupported import missing
 
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS): logits divided by a
 # tinier one overflow to inf and the softmax to NaN.
@@ -21,6 +29,26 @@ MAX_STOP_TOKEN_IDS = 1024  # ids in stop_token_ids
 # logit below 3e36 in magnitude stays finite (1e-40, a float32 subnormal, made them inf)
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100
 MAX_ADDITIVE_PENALTY = 2  # |presence_penalty|, |frequency_penalty| (OpenAI's and vLLM's range)
+
+
+class RequestOutputKind(enum.Enum):
+    """What a request's outputs hold (vLLM's enum, same values)."""
+
+    CUMULATIVE = 0  # the whole output so far, each step that moves the request
+    DELTA = 1  # only what is new since the last output
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+# vLLM's SamplingParams fields nanokv does not implement yet, with their "off" values;
+# anything else is refused by name (not reported as an unknown field).
+_NOT_YET = {
+    "structured_outputs": "structured outputs", "guided_decoding": "structured outputs",
+    "logit_bias": "logit bias", "allowed_token_ids": "allowed token lists", "bad_words": "bad word lists",
+    "prompt_logprobs": "prompt logprobs", "logits_processors": "custom logits processors",
+}
+# Fields where None is a value of its own; from_optional keeps None there.
+_NONE_IS_A_VALUE = ("seed", "max_tokens", "stop", "stop_token_ids", "logprobs", "truncate_prompt_tokens",
+                    "extra_args")
 
 
 @dataclass
@@ -44,6 +72,19 @@ class SamplingParams:
     [MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY]), presence_penalty and
     frequency_penalty (subtracted per generated occurrence; 0: off; within
     +-MAX_ADDITIVE_PENALTY).
+    logprobs=-1: the whole vocabulary (allowed when the engine's max_logprobs covers it).
+    truncate_prompt_tokens: keep only the last k prompt tokens (-1: as many as
+        max_model_len leaves room for, max_model_len - 1; None: no truncation).
+    detokenize=False: no text (CompletionOutput.text is ""), token ids only; stop strings
+        need text and are refused then.
+    spaces_between_special_tokens: passed to the tokenizer's decode where it takes it.
+    output_kind: what the step API (LLMEngine.add_request in vLLM's argument order) and
+        AsyncLLM.generate return: CUMULATIVE (the default), DELTA or FINAL_ONLY.
+        LLM.generate always returns final outputs.
+    extra_args: a dict kept with the request for the caller's own use (nanokv reads none).
+    Unknown field names raise ValueError naming the closest known one; vLLM fields that
+    nanokv does not implement yet (logit_bias, structured_outputs, ...) raise ValueError
+    naming them, unless None.
     Numbers and flags may be Python or numpy scalars (kept as int / float / bool); ints
     must be integral types (no bools, no floats), lists are bounded by the MAX_* constants above.
     """
@@ -65,6 +106,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, 1, MAX_N)
@@ -82,14 +128,39 @@ class SamplingParams:
         self.stop = _str_list("stop", self.stop, MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS)
         self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
         if self.logprobs is not None:
-            self.logprobs = _int("logprobs", self.logprobs, 0, _MAX_INT)
+            self.logprobs = _int("logprobs", self.logprobs, -1, _MAX_INT, "-1 means the whole vocabulary")
         self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY,
                                           MAX_REPETITION_PENALTY, "1 means off")
         for name in ("presence_penalty", "frequency_penalty"):
             setattr(self, name, _number(name, getattr(self, name), -MAX_ADDITIVE_PENALTY, MAX_ADDITIVE_PENALTY,
                                         "0 means off"))
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize"):
             setattr(self, name, _bool(name, getattr(self, name)))
+        if self.truncate_prompt_tokens is not None:
+            self.truncate_prompt_tokens = _int("truncate_prompt_tokens", self.truncate_prompt_tokens, -1, _MAX_INT,
+                                               "k >= 1 keeps the last k prompt tokens, -1 as many as fit")
+            if self.truncate_prompt_tokens == 0:
+                raise ValueError("truncate_prompt_tokens must be an int >= 1 or -1, got 0")
+        if not self.detokenize and self.stop:
+            raise ValueError("stop strings need detokenize=True (they are found in the text); set "
+                             "detokenize=True, or use stop_token_ids")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), "
+                             f"got {self.output_kind!r}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
+
+    @classmethod
+    def from_optional(cls, **kwargs) -> "SamplingParams":
+        """vLLM's constructor for optional values: a field given as None takes its default,
+        except where None is a value of its own (max_tokens=None: up to max_model_len; seed,
+        stop, stop_token_ids, logprobs, truncate_prompt_tokens, extra_args)."""
+        return cls(**{k: v for k, v in kwargs.items() if v is not None or k in _NONE_IS_A_VALUE})
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (stop lists and extra_args included)."""
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:
@@ -100,6 +171,43 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1 or self.presence_penalty != 0
                 or self.frequency_penalty != 0)
+
+
+_dataclass_init = SamplingParams.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self, *args, **kwargs) -> None:
+    # the dataclass __init__ raises a bare TypeError on an unknown keyword: say which field was meant
+    _dataclass_init(self, *args, **_known_fields(len(args), kwargs))
+
+
+SamplingParams.__init__ = _init
+
+
+def _known_fields(num_positional: int, kwargs: dict) -> dict:
+    """kwargs without vLLM's fields that are off (None); ValueError for a keyword that is
+    no field: vLLM's not-yet-implemented ones by name, others with the closest field's name."""
+    names = [f.name for f in dataclasses.fields(SamplingParams)]
+    if num_positional > len(names):
+        raise ValueError(f"SamplingParams takes at most {len(names)} positional arguments, got "
+                         f"{num_positional}; pass fields by name")
+    known = {}
+    for key, value in kwargs.items():
+        if key in names:
+            known[key] = value
+        elif key in _NOT_YET:
+            if value is not None:
+                raise ValueError(f"{key} is not supported yet by nanokv ({_NOT_YET[key]}); remove it")
+        elif key == "best_of":  # vLLM V1 dropped it too
+            if value is not None and value != kwargs.get("n", 1):
+                raise ValueError(f"best_of={value!r} is not supported by nanokv (nor by vLLM V1); use n "
+                                 "samples and pick among them")
+        else:
+            close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
+            hint = f"; did you mean {close[0]!r}?" if close else "; see help(SamplingParams) for the fields"
+            raise ValueError(f"SamplingParams has no field {key!r}{hint}")
+    return known
 
 
 def _bool(name: str, value) -> bool:
@@ -171,3 +279,7 @@ def _int_list(name: str, value, max_count: int) -> list[int]:
     if len(value) > max_count:
         raise ValueError(f"{name} has {len(value)} ids; at most {max_count} are allowed, send fewer")
     return [_int(f"each of {name}", t, 0, _MAX_INT) for t in value]
+
+
+def __getattr__(name: str):
+    raise missing(__name__, name)

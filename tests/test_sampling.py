@@ -413,7 +413,7 @@ def test_skip_special_tokens(llm):
 
 @pytest.mark.parametrize("kwargs", [
     dict(n=0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=2.0), dict(seed=1.5),
-    dict(min_tokens=5, max_tokens=3), dict(stop=[""]), dict(stop=[3]), dict(logprobs=-1),
+    dict(min_tokens=5, max_tokens=3), dict(stop=[""]), dict(stop=[3]), dict(logprobs=-2),
     dict(repetition_penalty=0.0), dict(presence_penalty=3.0), dict(frequency_penalty=-2.5),
 ])
 def test_bad_sampling_values(kwargs):

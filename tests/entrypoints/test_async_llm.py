@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from nanokv import LLM, SamplingParams
+from nanokv import LLM, RequestOutputKind, SamplingParams
 from nanokv.async_llm import AsyncLLM, QueueFullError
 from nanokv.engine.types import EngineDeadError
 from nanokv.llm_engine import LLMEngine
@@ -39,7 +39,7 @@ def make_llm(offline, **kwargs) -> AsyncLLM:
 async def collect(llm: AsyncLLM, prompt, params) -> tuple[list[str], list[list[int]], list[str]]:
     n = params.n
     texts, ids, reasons = [""] * n, [[] for _ in range(n)], [None] * n
-    async for out in llm.generate(prompt, params):
+    async for out in llm.generate(prompt, dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)):
         for c in out.outputs:
             texts[c.index] += c.text
             ids[c.index] += c.token_ids

@@ -14,7 +14,7 @@ import reprlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from nanokv.llm import render_chat
+from nanokv.llm import message_text, render_chat
 from nanokv.sampling_params import SamplingParams
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
@@ -319,22 +319,10 @@ def _messages(messages) -> list[dict]:
 
 
 def _content(content, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"{where}.content must be a string or a list of text parts, got {_show(content)}",
-                          "messages")
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else None
-            why = f"has type {kind!r}; nanokv takes text only" if isinstance(kind, str) and kind != "text" \
-                else 'must be {"type": "text", "text": "..."}'
-            raise bad_request(f"{where}.content[{j}] {why}", "messages")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    try:
+        return message_text(content, where)
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from None
 
 
 def _sampling_kwargs(body: dict, defaults: dict | None = None) -> dict:

@@ -1,0 +1,60 @@
+"""vLLM names that nanokv does not have, and the error that says so.
+
+A ported vLLM script that imports or reads one of these gets an error naming what is not
+supported and what to use instead, not a bare missing attribute. A leaf: the leaves
+(sampling_params, outputs) and the package's __init__ import it.
+"""
+
+from __future__ import annotations
+
+import opcode
+import sys
+
+LORA = ("LoRA adapters are not supported by nanokv; merge the adapter into the base weights "
+        "(e.g. peft's merge_and_unload()) and load the merged model")
+POOLING = ("pooling models (embed, encode, classify, score, reward) are not supported by nanokv, which "
+           "generates text only; use a text-generation model, or an embedding library for embeddings")
+BEAM_SEARCH = ("beam search is not supported by nanokv; use SamplingParams(temperature=0) for greedy "
+               "decoding, or n=... samples and pick the best")
+STRUCTURED = "structured outputs (guided decoding) are not supported yet by nanokv"
+MULTIMODAL = "multi-modal inputs are not supported by nanokv; send text or token ids"
+
+# name -> why; the names vLLM's top-level package and its modules export
+NAMES = {
+    "LoRARequest": LORA,
+    "PoolingParams": POOLING, "PoolingOutput": POOLING, "PoolingRequestOutput": POOLING,
+    "EmbeddingOutput": POOLING, "EmbeddingRequestOutput": POOLING, "ClassificationOutput": POOLING,
+    "ClassificationRequestOutput": POOLING, "ScoringOutput": POOLING, "ScoringRequestOutput": POOLING,
+    "BeamSearchParams": BEAM_SEARCH, "BeamSearchOutput": BEAM_SEARCH, "BeamSearchSequence": BEAM_SEARCH,
+    "GuidedDecodingParams": STRUCTURED, "StructuredOutputsParams": STRUCTURED,
+    "EmbedsPrompt": "prompt embeddings (EmbedsPrompt) are not supported by nanokv; send text or token ids",
+    "ModelRegistry": ("registering out-of-tree models is not supported by nanokv; its architectures are "
+                      "listed in nanokv/models/"),
+    "initialize_ray_cluster": ("Ray is not used by nanokv; LLM(..., tensor_parallel_size=N) starts its "
+                               "own worker processes"),
+}
+
+
+def missing(module: str, name: str) -> Exception:
+    """The error for a name `module` lacks, to raise from the module's __getattr__.
+
+    For a vLLM name nanokv does not support, the message says so. Python turns an
+    AttributeError raised during `from module import name` into a generic "cannot import
+    name", so there it is an ImportError; elsewhere an AttributeError, so that hasattr()
+    and getattr(module, name, default) keep working."""
+    reason = NAMES.get(name)
+    if reason is None:
+        return AttributeError(f"module {module!r} has no attribute {name!r}")
+    message = f"{name}: {reason}"
+    if _importing(sys._getframe(2)):  # 0: here, 1: the module's __getattr__, 2: its caller
+        return ImportError(message, name=module)
+    return AttributeError(message)
+
+
+_IMPORT_FROM = opcode.opmap["IMPORT_FROM"]
+
+
+def _importing(frame) -> bool:
+    """Whether frame is executing `from ... import name`."""
+    code = frame.f_code.co_code
+    return 0 <= frame.f_lasti < len(code) and code[frame.f_lasti] == _IMPORT_FROM
