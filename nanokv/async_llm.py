@@ -23,7 +23,7 @@ import itertools
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 from nanokv.engine.arg_utils import EngineArgs
 from nanokv.engine.types import EngineDeadError
@@ -289,10 +289,11 @@ class AsyncLLM:
                     out = so_far = accumulate(so_far, out)
                 yield out
 
-    def abort(self, request_ids: str | list[str]) -> None:
+    def abort(self, request_ids: str | list[str]) -> Awaitable[None]:
         """Abort requests, one id or a list (unknown or finished ids are ignored); their
         streams get nothing more (a stream whose requests are all aborted or finished ends)
-        and their KV blocks are free before the engine's next step."""
+        and their KV blocks are free before the engine's next step. Done on return; the
+        result may be awaited (vLLM's abort is a coroutine: `await engine.abort(id)`)."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for request_id in request_ids:
@@ -303,14 +304,29 @@ class AsyncLLM:
             if self._dead is None and not self._stopping:
                 self._commands.append(("abort", list(request_ids)))
                 self._cond.notify()
+        return _DONE
 
     async def snapshot(self) -> EngineSnapshot:
         """The engine's gauges, read by the engine thread between steps."""
+        return await self._between_steps(self._snapshot)
+
+    async def reset_prefix_cache(self, device=None) -> bool:
+        """vLLM's: forget every cached prefix block, between two steps (device has no
+        effect). False, and nothing forgotten, while requests hold KV blocks."""
+        return await self._between_steps(self.engine.reset_prefix_cache)
+
+    async def get_tokenizer(self):
+        """vLLM's (a coroutine there): the tokenizer."""
+        return self.tokenizer
+
+    async def _between_steps(self, fn):
+        """fn() called by the engine thread between two steps (here when no thread steps
+        the engine, or soon none will); its result."""
         future = asyncio.get_running_loop().create_future()
         with self._cond:
-            if not self.is_alive or self._stopping:  # nobody steps the engine (or soon): read it here
-                return self._snapshot()
-            self._commands.append(("snapshot", future))
+            if not self.is_alive or self._stopping:
+                return fn()
+            self._commands.append(("call", (fn, future)))
             self._cond.notify()
         return await future
 
@@ -360,13 +376,14 @@ class AsyncLLM:
             # the reason reaches clients (503 bodies, /health): the exception's text stays in the log
             self._die(f"the engine loop stopped on an internal error ({type(e).__name__}); the server's log "
                       "has the traceback")
-        finally:  # answer the snapshot requests nobody will serve now
+        finally:  # answer the calls (snapshots, ...) nobody will serve now
             with self._cond:
                 self._stopping = True
                 commands, self._commands = self._commands, []
             for kind, payload in commands:
-                if kind == "snapshot":
-                    self._in_loop(_resolve, payload, self._snapshot())
+                if kind == "call":
+                    fn, future = payload
+                    self._in_loop(_resolve, future, fn())
 
     def _serve(self) -> None:
         engine = self.engine
@@ -387,7 +404,7 @@ class AsyncLLM:
             busy = engine.has_unfinished()
 
     def _apply(self, commands: list[tuple[str, object]]) -> None:
-        """Adds, aborts and snapshot requests, in the order they were made (an abort
+        """Adds, aborts and calls between steps, in the order they were made (an abort
         always comes after its add)."""
         engine, failed = self.engine, []
         for kind, payload in commands:
@@ -409,8 +426,9 @@ class AsyncLLM:
                     if request_id in self._live:
                         self._live.discard(request_id)
                         engine.abort(request_id)
-            else:  # snapshot
-                self._in_loop(_resolve, payload, self._snapshot())
+            else:  # a call between steps
+                fn, future = payload
+                self._in_loop(_resolve, future, fn())
         self._num_engine_waiting = len(engine.scheduler.waiting)  # aborts shrink it too
         if failed:
             self._in_loop(self._deliver, failed)
@@ -458,6 +476,18 @@ def _current_cuda_device(device) -> int | None:
     import torch
 
     return torch.cuda.current_device()
+
+
+class _Done:
+    """Awaitable, with nothing to wait for."""
+
+    __slots__ = ()
+
+    def __await__(self):
+        return iter(())
+
+
+_DONE = _Done()
 
 
 def _error_output(request_id: str, reason: str) -> RequestOutput:

@@ -46,7 +46,7 @@ def missing(module: str, name: str) -> Exception:
     if reason is None:
         return AttributeError(f"module {module!r} has no attribute {name!r}")
     message = f"{name}: {reason}"
-    if _importing(sys._getframe(2)):  # 0: here, 1: the module's __getattr__, 2: its caller
+    if _importing(3):  # 0: _importing, 1: here, 2: the module's __getattr__, 3: its caller
         return ImportError(message, name=module)
     return AttributeError(message)
 
@@ -54,7 +54,11 @@ def missing(module: str, name: str) -> Exception:
 _IMPORT_FROM = opcode.opmap["IMPORT_FROM"]
 
 
-def _importing(frame) -> bool:
-    """Whether frame is executing `from ... import name`."""
+def _importing(depth: int) -> bool:
+    """Whether the frame `depth` levels up is executing `from ... import name`."""
+    try:
+        frame = sys._getframe(depth)
+    except ValueError:  # called from outside any Python frame
+        return False
     code = frame.f_code.co_code
     return 0 <= frame.f_lasti < len(code) and code[frame.f_lasti] == _IMPORT_FROM

@@ -519,8 +519,9 @@ def test_chat_template_arguments(llm):
         llm.chat(conv, GREEDY, mm_processor_kwargs={"size": 1})
 
 
-def test_async_llm_takes_vllm_constructor_arguments_and_one_id_to_abort(model_dir):
+def test_async_llm_takes_vllm_constructor_arguments_and_calls(model_dir):
     from nanokv import AsyncEngineArgs, AsyncLLMEngine
+    from nanokv.utils import random_uuid
 
     with pytest.raises(ValueError, match="stat_loggers .* is not supported"):
         AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=model_dir), stat_loggers=[])
@@ -530,15 +531,19 @@ def test_async_llm_takes_vllm_constructor_arguments_and_one_id_to_abort(model_di
 
     async def main():
         try:
-            gen = engine.generate("Hello", long, "req-1")
+            request_id = random_uuid()
+            gen = engine.generate("Hello", long, request_id)
             first = await gen.__anext__()
-            engine.abort("req-1")  # one id, as vLLM takes it
+            await engine.abort(request_id)  # one id, awaited, as vLLM takes it
             rest = [out async for out in gen]
-            return first, rest, await engine.snapshot()
+            tokenizer = await engine.get_tokenizer()
+            assert await engine.reset_prefix_cache() is True  # the aborted request's blocks are free
+            return first, rest, await engine.snapshot(), tokenizer
         finally:
             engine.shutdown()
 
-    first, rest, snap = asyncio.run(asyncio.wait_for(main(), 120))
+    first, rest, snap, tokenizer = asyncio.run(asyncio.wait_for(main(), 120))
+    assert tokenizer is engine.tokenizer and snap.kv.free_cached_blocks == 0
     # the generator ends: what had arrived before the abort, then nothing more
     assert len(first.outputs[0].token_ids) >= 1 and not any(o.finished for o in rest)
     assert all(len(o.outputs[0].token_ids) < 100 for o in rest)
