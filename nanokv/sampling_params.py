@@ -39,8 +39,8 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
-# vLLM's SamplingParams fields nanokv does not implement yet, with their "off" values;
-# anything else is refused by name (not reported as an unknown field).
+# vLLM's SamplingParams fields nanokv does not implement yet -> what they are: None (off)
+# is accepted, anything else refused by name (not reported as an unknown field).
 _NOT_YET = {
     "structured_outputs": "structured outputs", "guided_decoding": "structured outputs",
     "logit_bias": "logit bias", "allowed_token_ids": "allowed token lists", "bad_words": "bad word lists",
