@@ -51,7 +51,8 @@ def test_cli_flags_are_the_fields_with_their_defaults():
         assert action.option_strings[0] == "--" + f.name.replace("_", "-") and action.default == f.default
         formatter = gen._get_formatter()
         formatter.add_argument(action)
-        assert f"(default: {f.default})" in " ".join(formatter.format_help().split()), f.name
+        shown = f.default if f.default is not None else f.metadata["help"].partition("; None: ")[2]  # what None means
+        assert f"(default: {shown})" in " ".join(formatter.format_help().split()), f.name
     args = gen.parse_args(["--input", "i", "--output", "o", "--block-size", "32", "--no-enable-prefix-caching",
                            "--max-model-len", "256", "--seed", "7"])
     engine = engine_args_from_cli(args, Rank())

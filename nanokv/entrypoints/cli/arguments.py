@@ -1,10 +1,15 @@
-"""The command line's flags, and what they become (SamplingParams, LLM arguments)."""
+"""The command line's flags (build_parser), and what they become (SamplingParams, EngineArgs).
+
+Imports neither torch nor transformers, so `nanokv --help`, every subcommand's --help and
+a usage error answer at once: main() imports a subcommand's implementation only after the
+command line has parsed."""
 
 from __future__ import annotations
 
 import argparse
 
-from nanokv.engine.arg_utils import EngineArgs
+from nanokv import __version__
+from nanokv.engine.arg_utils import DEFAULT_MODEL, EngineArgs
 from nanokv.entrypoints.cli.common import InputError, Rank
 from nanokv.entrypoints.openai.settings import ServerSettings
 from nanokv.generation_config import FIELDS as GENERATION_FIELDS
@@ -39,7 +44,7 @@ def engine_args_from_cli(args, rank: Rank) -> EngineArgs:
     device = args.device
     if rank.world_size > 1 and device in ("auto", "cuda"):
         device = f"cuda:{rank.local_rank}" if _cuda_available() else "cpu"
-    return EngineArgs.from_cli_args(args, device=device)
+    return EngineArgs.from_cli_args(args, model=model_from_args(args), device=device)
 
 
 def _cuda_available() -> bool:
@@ -55,13 +60,120 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanokv", description="nanokv command line")
-    sub = parser.add_subparsers(dest="command", required=True)
+class NanokvParser(argparse.ArgumentParser):
+    """The top-level parser: an argument no subcommand knows is reported with that
+    subcommand's usage (argparse's own parse_args reports it with the top-level one)."""
+
+    commands: dict[str, argparse.ArgumentParser]
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extra = self.parse_known_args(args, namespace)
+        if extra:
+            parser = self.commands.get(getattr(namespace, "command", None), self)
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return namespace
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default once, in terms a user can act on: a help text that states its
+    own default keeps it; "; None: what unset means" in a help whose default is None becomes
+    "(default: what unset means)"; a switch (--ignore-eos, --no-progress) is off unless
+    given, so nothing is added; a required option has no default."""
+
+    def _get_help_string(self, action):
+        help = action.help or ""
+        if ("default" in help.lower() or action.default is argparse.SUPPRESS or action.required
+                or (not action.option_strings and action.nargs != "?")
+                or (action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction))):
+            return help
+        if action.default is None:
+            head, sep, meaning = help.partition("; None: ")
+            return f"{head} (default: {meaning})" if sep else f"{help} (default: not set)"
+        return f"{help} (default: %(default)s)"
+
+
+def model_from_args(args) -> str:
+    """The positional MODEL or --model (the same thing, given once)."""
+    if args.model_tag is None:
+        return args.model
+    if args.model not in (DEFAULT_MODEL, args.model_tag):
+        raise InputError(f"the model is given twice, as {args.model_tag!r} and --model {args.model!r}; give it once")
+    return args.model_tag
+
+
+def build_parser() -> NanokvParser:
+    parser = NanokvParser(prog="nanokv", description="nanokv command line")
+    parser.add_argument("-v", "--version", action="version", version=__version__, help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.commands = sub.choices
+    _add_generate_parser(sub)
+    _add_serve_parser(sub)
+    _add_chat_parsers(sub)
+    mrg = sub.add_parser("merge", help="merge the part files of a torchrun generate run",
+                         description="Append <output>.part-* to the output (skipping ids already "
+                                     "there), merge the errors parts, remove the parts.")
+    mrg.add_argument("--output", required=True, help="the output the parts belong to")
+    mrg.add_argument("--world-size", type=_positive_int, required=True, help="how many ranks wrote parts")
+    return parser
+
+
+def _add_model_positional(parser, help: str = "the model (the same as --model; default: --model's default)"):
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=help)
+
+
+def _add_engine_args(parser) -> None:
+    eng = parser.add_argument_group("engine (LLM(...) arguments)")
+    EngineArgs.add_cli_args(eng)
+    # nanokv's first spelling of --no-enable-prefix-caching, kept working for old scripts
+    eng.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                     help=argparse.SUPPRESS)
+
+
+def _add_sampling_args(parser, title: str, *, max_tokens_help: str, max_tokens_default=argparse.SUPPRESS,
+                       exclude: tuple[str, ...] = ()) -> None:
+    """SamplingParams' fields as flags. The fields a model's generation config sets
+    (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens) default to not given
+    (argparse.SUPPRESS): sampling_params_from_args fills them from the model's defaults,
+    else SamplingParams'. max_tokens_default: the command's own default instead."""
+    d = SamplingParams()
+    model = "default: the model's generation config (--generation-config), else"
+    smp = parser.add_argument_group(title)
+    if "n" not in exclude:
+        smp.add_argument("--n", type=int, default=d.n, help="samples per prompt")
+    smp.add_argument("--temperature", type=float, default=argparse.SUPPRESS, help=f"0 = greedy ({model} {d.temperature})")
+    smp.add_argument("--top-p", type=float, default=argparse.SUPPRESS, help=f"nucleus mass, 1 = off ({model} {d.top_p})")
+    smp.add_argument("--top-k", type=int, default=argparse.SUPPRESS,
+                     help=f"keep the k most likely, -1 = off ({model} {d.top_k})")
+    smp.add_argument("--min-p", type=float, default=argparse.SUPPRESS,
+                     help=f"drop below min_p x the top probability ({model} {d.min_p})")
+    smp.add_argument("--sampling-seed", type=int, default=None,
+                     help="SamplingParams.seed for every request; None: seeded by the engine's --seed")
+    if max_tokens_default is argparse.SUPPRESS:
+        max_tokens_help = f"{max_tokens_help} ({model} {d.max_tokens})"
+    smp.add_argument("--max-tokens", type=int, default=max_tokens_default, help=max_tokens_help)
+    smp.add_argument("--min-tokens", type=int, default=d.min_tokens, help="no EOS or stop before this many")
+    smp.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    smp.add_argument("--stop", action="append", default=None, help="a stop string (repeatable); None: none")
+    smp.add_argument("--stop-token-ids", type=int, nargs="+", default=None, metavar="ID",
+                     help="token ids that end generation besides EOS; None: none")
+    smp.add_argument("--include-stop-str-in-output", action="store_true", help="keep the stop string in the text")
+    if "logprobs" not in exclude:
+        smp.add_argument("--logprobs", type=int, default=None,
+                         help="top-N logprobs per generated token; None: no logprobs")
+    smp.add_argument("--repetition-penalty", type=float, default=argparse.SUPPRESS,
+                     help=f"1 = off ({model} {d.repetition_penalty})")
+    smp.add_argument("--presence-penalty", type=float, default=d.presence_penalty, help="0 = off")
+    smp.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty, help="0 = off")
+    smp.add_argument("--no-skip-special-tokens", action="store_true", help="keep special tokens in the text")
+
+
+def _add_generate_parser(sub) -> None:
     gen = sub.add_parser("generate", help="offline batch generation: JSONL in, JSONL out",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                         formatter_class=HelpFormatter,
+                         usage="nanokv generate [MODEL] --input INPUT --output OUTPUT [options]",
                          description="Generate for every line of a JSONL file; resumable; "
                                      "data parallel under torchrun.")
+    _add_model_positional(gen)
     io = gen.add_argument_group("input and output")
     io.add_argument("--input", required=True, help="JSONL, one request per line")
     io.add_argument("--output", required=True, help="JSONL results (errors go to <stem>.errors.jsonl)")
@@ -82,51 +194,53 @@ def build_parser() -> argparse.ArgumentParser:
                     help="under torchrun: seconds a rank waits for the others at the path checks and the final barrier")
     io.add_argument("--rendezvous-timeout", type=float, default=300.0,
                     help="under torchrun: seconds a rank waits at startup for the others to join")
+    _add_engine_args(gen)
+    _add_sampling_args(gen, "sampling (SamplingParams defaults; a line's \"sampling_params\" overrides)",
+                       max_tokens_help="generated-token limit")
 
-    eng = gen.add_argument_group("engine (LLM(...) arguments)")
-    EngineArgs.add_cli_args(eng)
-    eng.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                     help="the same as --no-enable-prefix-caching")
 
-    d = SamplingParams()
-    smp = gen.add_argument_group("sampling (SamplingParams defaults; a line's \"sampling_params\" overrides)")
-    model = "default: the model's generation config (--generation-config), else"  # the flags default=SUPPRESS
-    smp.add_argument("--n", type=int, default=d.n, help="samples per prompt")
-    smp.add_argument("--temperature", type=float, default=argparse.SUPPRESS,
-                     help=f"0 = greedy ({model} {d.temperature})")
-    smp.add_argument("--top-p", type=float, default=argparse.SUPPRESS, help=f"nucleus mass, 1 = off ({model} {d.top_p})")
-    smp.add_argument("--top-k", type=int, default=argparse.SUPPRESS,
-                     help=f"keep the k most likely, -1 = off ({model} {d.top_k})")
-    smp.add_argument("--min-p", type=float, default=argparse.SUPPRESS,
-                     help=f"drop below min_p x the top probability ({model} {d.min_p})")
-    smp.add_argument("--sampling-seed", type=int, default=None, help="SamplingParams.seed for every line")
-    smp.add_argument("--max-tokens", type=int, default=argparse.SUPPRESS,
-                     help=f"generated-token limit ({model} {d.max_tokens})")
-    smp.add_argument("--min-tokens", type=int, default=d.min_tokens, help="no EOS or stop before this many")
-    smp.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
-    smp.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    smp.add_argument("--stop-token-ids", type=int, nargs="+", default=None, help="token ids that end generation")
-    smp.add_argument("--include-stop-str-in-output", action="store_true", help="keep the stop string in the text")
-    smp.add_argument("--logprobs", type=int, default=None, help="top-N logprobs per generated token")
-    smp.add_argument("--repetition-penalty", type=float, default=argparse.SUPPRESS,
-                     help=f"1 = off ({model} {d.repetition_penalty})")
-    smp.add_argument("--presence-penalty", type=float, default=d.presence_penalty, help="0 = off")
-    smp.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty, help="0 = off")
-    smp.add_argument("--no-skip-special-tokens", action="store_true", help="keep special tokens in the text")
-
-    _add_serve_parser(sub)
-
-    mrg = sub.add_parser("merge", help="merge the part files of a torchrun generate run",
-                         description="Append <output>.part-* to the output (skipping ids already "
-                                     "there), merge the errors parts, remove the parts.")
-    mrg.add_argument("--output", required=True, help="the output the parts belong to")
-    mrg.add_argument("--world-size", type=_positive_int, required=True, help="how many ranks wrote parts")
-    return parser
+def _add_chat_parsers(sub) -> None:
+    """`nanokv chat` and `nanokv complete`: vLLM's flags (--url, --model-name, --api-key,
+    --system-prompt, -q/--quick, --stats), with a local model unless --url is given."""
+    chat = sub.add_parser("chat", help="chat with a model in the terminal, the answer streamed",
+                          formatter_class=HelpFormatter, usage="nanokv chat [MODEL] [options]",
+                          description="An interactive chat: each message goes through the chat template with "
+                                      "the whole conversation, and the answer streams as it is generated. "
+                                      "/reset starts a new conversation, /exit or Ctrl-D leaves, Ctrl-C stops "
+                                      "an answer. The model runs here unless --url names a server.")
+    comp = sub.add_parser("complete", help="complete prompts in the terminal, the completion streamed",
+                          formatter_class=HelpFormatter, usage="nanokv complete [MODEL] [options]",
+                          description="Each line read is a prompt (no chat template); its completion streams "
+                                      "as it is generated. Ctrl-D leaves, Ctrl-C stops a completion. The "
+                                      "model runs here unless --url names a server.")
+    for parser, quick in ((chat, "MESSAGE"), (comp, "PROMPT")):
+        _add_model_positional(parser, help="the model to load here (the same as --model; default: --model's "
+                                           "default); with --url, the served model's name")
+        opts = parser.add_argument_group(f"{parser.prog.split()[-1]} options")
+        opts.add_argument("--url", default=None,
+                          help="talk to a running nanokv or vLLM server at this OpenAI base URL (such as "
+                               "http://127.0.0.1:8000/v1) instead of loading the model here; None: load it here")
+        opts.add_argument("--model-name", default=None,
+                          help="with --url: the model to ask for; None: MODEL, else the server's first in /v1/models")
+        opts.add_argument("--api-key", default=None,
+                          help="with --url: the bearer key; None: $OPENAI_API_KEY, else no key")
+        if parser is chat:
+            opts.add_argument("--system-prompt", default=None,
+                              help="a system message to start every conversation with; None: none")
+        opts.add_argument("-q", "--quick", default=None, metavar=quick,
+                          help=f"send {quick} alone, print the streamed answer and exit; None: interactive")
+        opts.add_argument("--stats", action="store_true",
+                          help="after each answer, print the time to first token and tokens per second")
+        _add_sampling_args(parser, "sampling (SamplingParams)", exclude=("n", "logprobs"),
+                           max_tokens_help="generated-token limit; None: up to max_model_len",
+                           max_tokens_default=None)
+        parser.set_defaults(n=1, logprobs=None)
+        _add_engine_args(parser)
 
 
 def _add_serve_parser(sub) -> None:
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                         formatter_class=HelpFormatter, usage="nanokv serve [MODEL] [options]",
                          description="Serve a model over HTTP with OpenAI's API: /v1/completions, "
                                      "/v1/chat/completions, /v1/models, /health, /metrics.")
     srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -175,10 +289,7 @@ def _add_serve_parser(sub) -> None:
                            "prefix cache (default: prompt_tokens_details is null)")
     http.add_argument("--uvicorn-log-level", default=ServerSettings.log_level,
                       choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
-    eng = srv.add_argument_group("engine (LLM(...) arguments)")
-    EngineArgs.add_cli_args(eng)
-    eng.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                     help="the same as --no-enable-prefix-caching")
+    _add_engine_args(srv)
 
 
 def _port(text: str) -> int:

@@ -17,6 +17,9 @@ EXIT_USAGE = 2  # bad flags, ids or paths, a model that does not load, a failed 
 EXIT_FAILED_LINES = 3  # the job ran, but some lines are in the errors file
 
 
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as a shell reports it)
+
+
 logger = logging.getLogger("nanokv")
 
 

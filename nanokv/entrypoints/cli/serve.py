@@ -9,7 +9,8 @@ import logging
 import os
 import re
 
-from nanokv.engine.arg_utils import DEFAULT_MODEL, EngineArgs
+from nanokv.engine.arg_utils import EngineArgs
+from nanokv.entrypoints.cli.arguments import model_from_args
 from nanokv.entrypoints.cli.common import EXIT_USAGE, InputError, say
 
 API_KEY_ENV = "NANOKV_API_KEY"  # the key when --api-key is not given
@@ -45,9 +46,7 @@ def serve(args) -> int:
         say(f"nanokv serve: error: the server needs {', '.join(missing)}, which nanokv installs: "
             f"pip install {' '.join(repr(r) for r in server_requirements(missing))}")
         return EXIT_USAGE
-    model = args.model_tag if args.model_tag is not None else args.model
-    if args.model_tag is not None and args.model not in (DEFAULT_MODEL, args.model_tag):
-        raise InputError(f"the model is given twice, as {args.model_tag!r} and --model {args.model!r}; give it once")
+    model = model_from_args(args)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("nanokv").setLevel(logging.INFO)
