@@ -207,3 +207,43 @@ def test_a_prompt_over_max_model_len_is_refused_and_the_chat_goes_on(model_dir, 
     t.expect(answer(llm, [{"role": "user", "content": "Hello there"}]) + "\n> ", pos)
     t.type("/exit\n")
     assert t.wait() == 0
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    from .entrypoints.conftest import Server
+
+    running = Server(model_dir, *ENGINE, log_path=str(tmp_path_factory.mktemp("serve") / "server.log")).start()
+    yield running
+    running.stop()
+
+
+def test_chat_and_complete_with_url_talk_to_a_running_server(server, llm, capsys):
+    url = server.url + "/v1"
+    assert main(["chat", "--url", url, "-q", "Hello there", "--stats", *GREEDY]) == 0
+    out = clean(capsys.readouterr().out)
+    expected = answer(llm, [{"role": "user", "content": "Hello there"}])
+    assert out.startswith(expected + "\nTTFT: ") and "(12 tokens in " in out  # the server's usage
+    assert main(["complete", "--url", url, "--model-name", server.model, "-q", "Flat is better", *GREEDY]) == 0
+    params = SamplingParams(temperature=0, max_tokens=12)
+    assert clean(capsys.readouterr().out) == clean(llm.generate("Flat is better", params, use_tqdm=False)[0]
+                                                   .outputs[0].text) + "\n"
+    assert main(["chat", "--url", url, "--model-name", "no-such-model", "-q", "Hi"]) == 2
+    err = capsys.readouterr().err
+    assert "HTTP 4" in err and "'no-such-model'" in err  # the server's own message
+
+
+def test_ctrl_c_stops_a_served_answer(server, llm, terminal):
+    t = terminal("chat", "--url", server.url + "/v1", "--ignore-eos", "--temperature", "0")
+    pos = t.expect("> ", t.expect("Chatting with " + server.model))
+    t.type("Hello there\n")
+    pos = t.expect("Hello there\n", pos)
+    t.expect_more(pos + 1)
+    before = t.seen[pos:]
+    t.type("\x03")
+    end = t.expect("(stopped)\n> ", pos)
+    full = answer(llm, [{"role": "user", "content": "Hello there"}],
+                  SamplingParams(temperature=0, ignore_eos=True, max_tokens=MAX_MODEL_LEN))
+    assert full.startswith(before) and len(t.seen[pos:end]) < len(full)
+    t.type("/exit\n")
+    assert t.wait() == 0
