@@ -5,6 +5,7 @@ with -q, with piped stdin, and against a running server (--url)."""
 
 from __future__ import annotations
 
+import codecs
 import os
 import pty
 import re
@@ -53,7 +54,8 @@ class Terminal:
             finally:
                 os._exit(127)
         self.seen = ""  # everything printed so far, cleaned
-        self._raw = b""
+        self._text = ""  # everything printed so far, as printed
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")  # keeps a character split between reads
         self.status: int | None = None
 
     def type(self, text: str) -> None:
@@ -70,12 +72,8 @@ class Terminal:
             chunk = b""
         if not chunk:
             raise AssertionError(f"the program ended; the terminal shows:\n{self.seen}")
-        self._raw += chunk
-        try:
-            self.seen += clean(self._raw.decode())
-            self._raw = b""
-        except UnicodeDecodeError:  # a character split between reads: wait for the rest
-            pass
+        self._text += self._decoder.decode(chunk)
+        self.seen = clean(self._text)  # all of it: an escape code split between two reads is still removed
 
     def expect(self, text: str, after: int = 0, timeout: float = TIMEOUT_S) -> int:
         """Read until `text` appears at or after position `after`; its end position."""
@@ -103,7 +101,7 @@ class Terminal:
                 return self.status
             if select.select([self.fd], [], [], 0.2)[0]:  # keep draining so it never blocks on a full terminal
                 try:
-                    self.seen += clean(os.read(self.fd, 4096).decode(errors="replace"))
+                    self._text += self._decoder.decode(os.read(self.fd, 4096))
                 except OSError:
                     pass
         raise AssertionError(f"the program did not exit within {timeout}s; the terminal shows:\n{self.seen}")
