@@ -93,7 +93,9 @@ def test_help_shows_every_default_once_and_never_a_bare_none():
             entry = " ".join(formatter.format_help().split())
             switch = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)
             expected = 0 if switch or action.required else 1
-            assert entry.count("default:") == expected, (name, entry)
+            said = entry.count("default:") + (action.default is None and "(unset: " in entry)
+            assert said == expected, (name, entry)
+            assert "(default: not set)" not in entry, (name, entry)  # every None default says what it means
             if not switch and action.default is not None and not action.required and "default:" not in action.help:
                 assert f"(default: {action.default})" in entry, (name, entry)
 

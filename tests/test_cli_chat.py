@@ -170,6 +170,8 @@ def test_ctrl_c_stops_the_answer_not_the_program_and_ctrl_d_leaves(model_dir, ll
     pos = end
     t.type("Thanks\n")  # the engine took the abort: the next turn runs to its end
     pos = t.expect("\n> ", t.expect("Thanks\n", pos))
+    t.type("half a line\x03")  # Ctrl-C at the prompt drops the line, not the program
+    pos = t.expect("(Ctrl-D or /exit leaves)\n> ", pos)
     t.type("\x04")  # Ctrl-D at the prompt
     assert t.wait() == 0
 
