@@ -120,3 +120,19 @@ def test_the_model_is_positional_or_model_but_given_once(command):
         assert engine_args_from_cli(parser.parse_args(argv), Rank()).model == "my-model", argv
     with pytest.raises(InputError, match="given twice"):
         engine_args_from_cli(parser.parse_args([command, "one", *extra, "--model", "two"]), Rank())
+
+
+def test_the_package_version_is_nanokv_version(tmp_path):
+    """pyproject.toml reads the version off nanokv.__version__: one source for --version,
+    the package metadata and GET /version."""
+    setuptools_config = pytest.importorskip("setuptools.config.pyprojecttoml")
+    (tmp_path / "nanokv").mkdir()
+    with open(os.path.join(REPO, "pyproject.toml")) as f:
+        (tmp_path / "pyproject.toml").write_text(f.read())
+    (tmp_path / "README.md").write_text("readme\n")
+    with open(os.path.join(REPO, "nanokv", "__init__.py")) as f:
+        source = f.read()
+    assert f'__version__ = "{nanokv.__version__}"' in source
+    (tmp_path / "nanokv" / "__init__.py").write_text(source.replace(nanokv.__version__, "9.8.7"))
+    config = setuptools_config.read_configuration(str(tmp_path / "pyproject.toml"))
+    assert config["project"]["version"] == "9.8.7"
