@@ -250,12 +250,12 @@ def _lines(interactive: bool) -> Iterator[str]:
             print(f"\n(Ctrl-D or {EXIT} leaves)")
 
 
-def _run_turn(backend, pieces: Callable[[], Iterator[str]], stats: bool) -> Answer | None:
-    """One answer; a refused request prints why and gives None."""
+def _run_turn(backend, pieces: Callable[[], Iterator[str]], stats: bool, hint: str = "") -> Answer | None:
+    """One answer; a refused request prints why (and the hint) and gives None."""
     try:
         answer = stream_answer(pieces, backend)
     except (ValueError, RuntimeError, OSError) as e:  # InputError is a ValueError; OSError: a lost server
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print(f"error: {e}{hint}", file=sys.stderr, flush=True)
         return None
     if answer.stopped:
         print("(stopped)", flush=True)
@@ -286,7 +286,8 @@ def chat(args) -> int:
         if not command:
             continue
         conversation.append({"role": "user", "content": line})
-        answer = _run_turn(backend, lambda: backend.chat(conversation), args.stats)
+        answer = _run_turn(backend, lambda: backend.chat(conversation), args.stats,
+                           hint=f" ({RESET} starts a new conversation)" if len(conversation) > len(start) + 1 else "")
         if answer is None:
             conversation.pop()  # the refused turn is not kept
         else:
