@@ -76,10 +76,10 @@ class NanokvParser(argparse.ArgumentParser):
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Each option's default once, in terms a user can act on: a help text that states its
-    own default ("default: ...", or "(unset: ...)" for None) keeps it; "; None: what unset means" in a
-    help whose default is None becomes "(default: what unset means)"; a switch
-    (--ignore-eos, --no-progress) is off unless given, so nothing is added; a required
-    option has no default."""
+    own default ("default: ...", or "(unset: ...)" for None) keeps it; "; None: what unset
+    means" or a closing "(None: ...)" in a help whose default is None becomes "(default:
+    what unset means)"; a switch (--ignore-eos, --no-progress) is off unless given, so
+    nothing is added; a required option has no default."""
 
     def _get_help_string(self, action):
         help = action.help or ""
@@ -90,6 +90,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None:
             head, sep, meaning = help.partition("; None: ")
             if sep:
+                return f"{head} (default: {meaning})"
+            if help.endswith(")") and " (None: " in help:  # "... (None: all)"
+                head, _, meaning = help[:-1].rpartition(" (None: ")
                 return f"{head} (default: {meaning})"
             return help if "(unset: " in help else f"{help} (default: not set)"
         return f"{help} (default: %(default)s)"
