@@ -51,7 +51,15 @@ def test_cli_flags_are_the_fields_with_their_defaults():
         assert action.option_strings[0] == "--" + f.name.replace("_", "-") and action.default == f.default
         formatter = gen._get_formatter()
         formatter.add_argument(action)
-        shown = f.default if f.default is not None else f.metadata["help"].partition("; None: ")[2]  # what None means
+        help = f.metadata["help"]
+        if f.default is not None:
+            shown = f.default
+        elif "; None: " in help:  # what None means, in words
+            shown = help.partition("; None: ")[2]
+        elif help.endswith(")") and " (None: " in help:
+            shown = help[:-1].rpartition(" (None: ")[2]
+        else:
+            shown = "not set"
         assert f"(default: {shown})" in " ".join(formatter.format_help().split()), f.name
     args = gen.parse_args(["--input", "i", "--output", "o", "--block-size", "32", "--no-enable-prefix-caching",
                            "--max-model-len", "256", "--seed", "7"])

@@ -76,14 +76,14 @@ class NanokvParser(argparse.ArgumentParser):
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Each option's default once, in terms a user can act on: a help text that states its
-    own default ("default: ...", or "(unset: ...)" for None) keeps it; "; None: what unset
+    own default ("(default: ...)", or "(unset: ...)" for None) keeps it; "; None: what unset
     means" or a closing "(None: ...)" in a help whose default is None becomes "(default:
     what unset means)"; a switch (--ignore-eos, --no-progress) is off unless given, so
     nothing is added; a required option has no default."""
 
     def _get_help_string(self, action):
         help = action.help or ""
-        if ("default" in help.lower() or action.default is argparse.SUPPRESS or action.required
+        if ("default:" in help.lower() or action.default is argparse.SUPPRESS or action.required
                 or (not action.option_strings and action.nargs != "?")
                 or (action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction))):
             return help
@@ -292,7 +292,7 @@ def _add_serve_parser(sub) -> None:
                            "hard limit at start)")
     http.add_argument("--enable-prompt-tokens-details", action="store_true",
                       help="report usage.prompt_tokens_details.cached_tokens: the prompt tokens found in the "
-                           "prefix cache (default: prompt_tokens_details is null)")
+                           "prefix cache; without it prompt_tokens_details is null")
     http.add_argument("--uvicorn-log-level", default=ServerSettings.log_level,
                       choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
     _add_engine_args(srv)
