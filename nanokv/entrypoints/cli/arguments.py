@@ -7,6 +7,7 @@ command line has parsed."""
 from __future__ import annotations
 
 import argparse
+import json
 
 from nanokv import __version__
 from nanokv.engine.arg_utils import DEFAULT_MODEL, EngineArgs
@@ -248,7 +249,10 @@ def _add_serve_parser(sub) -> None:
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
                          formatter_class=HelpFormatter, usage="nanokv serve [MODEL] [options]",
                          description="Serve a model over HTTP with OpenAI's API: /v1/completions, "
-                                     "/v1/chat/completions, /v1/models, /health, /metrics.")
+                                     "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, "
+                                     "/metrics. Flags may be spelled with underscores, as vLLM allows "
+                                     "(--max_model_len).")
+    srv.__class__ = _UnderscoreFlagsParser  # subparsers are built by add_parser; only serve takes vLLM's spellings
     srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                      help="the model (the same as --model; default: --model's default)")
     http = srv.add_argument_group("server")
@@ -264,9 +268,18 @@ def _add_serve_parser(sub) -> None:
                       help="Host names requests may use besides IP addresses and localhost (.example.com: a "
                            "domain and its subdomains; *: any); default: any on a network address, only those "
                            "over loopback (a DNS-rebinding defence)")
-    http.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+    http.add_argument("--allowed-origins", nargs="+", action=_ListAction, default=None, metavar="ORIGIN",
                       help="web origins (http://host:port, or *) whose pages may call the API: turns CORS on "
-                           "for them; default: none, cross-origin browser requests get 403")
+                           "for them (vLLM's JSON list '[\"*\"]' is taken too); default: none, cross-origin "
+                           "browser requests get 403 (vLLM's default is every origin)")
+    http.add_argument("--allowed-methods", nargs="+", action=_ListAction, default=list(ServerSettings.allowed_methods),
+                      metavar="METHOD", help="HTTP methods cross-origin requests may use, once --allowed-origins "
+                                             "turns CORS on (* any; a JSON list is taken too)")
+    http.add_argument("--allowed-headers", nargs="+", action=_ListAction, default=list(ServerSettings.allowed_headers),
+                      metavar="HEADER", help="request headers cross-origin requests may send, once --allowed-origins "
+                                             "turns CORS on (* any; a JSON list is taken too)")
+    http.add_argument("--allow-credentials", action="store_true", default=ServerSettings.allow_credentials,
+                      help="let cross-origin requests carry cookies and credentials (CORS)")
     http.add_argument("--max-waiting", type=_positive_int, default=ServerSettings.max_waiting,
                       help="most sequences (prompts x n) queued for admission; beyond it requests get 503 "
                            "with Retry-After")
@@ -295,7 +308,75 @@ def _add_serve_parser(sub) -> None:
                            "prefix cache; without it prompt_tokens_details is null")
     http.add_argument("--uvicorn-log-level", default=ServerSettings.log_level,
                       choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
+    http.add_argument("--disable-uvicorn-access-log", action="store_true", default=not ServerSettings.access_log,
+                      help="no log line per HTTP request from uvicorn")
+    http.add_argument("--disable-fastapi-docs", action="store_true", default=not ServerSettings.docs,
+                      help="no /docs, /redoc and /openapi.json")
+    http.add_argument("--enable-log-requests", dest="log_requests", action="store_true",
+                      default=ServerSettings.log_requests,
+                      help="log each request at INFO: its id, prompt, prompt token ids and sampling parameters")
+    http.add_argument("--disable-log-requests", action="store_true",
+                      help="accepted for vLLM's command lines; no effect (requests are logged only with "
+                           "--enable-log-requests)")
+    http.add_argument("--max-log-len", type=_non_negative_int, default=ServerSettings.max_log_len,
+                      help="most prompt characters and prompt token ids a request's log line shows (None: all)")
+    chat = srv.add_argument_group("chat and logprobs")
+    chat.add_argument("--chat-template", default=ServerSettings.chat_template,
+                      help="the chat template for chat completions and /tokenize: a file, or the template itself "
+                           "(None: the tokenizer's)")
+    chat.add_argument("--trust-request-chat-template", action="store_true",
+                      default=ServerSettings.trust_request_chat_template,
+                      help="use a request's own chat_template (otherwise such a request gets 400)")
+    chat.add_argument("--response-role", default=ServerSettings.response_role,
+                      help="the role of a chat answer to a generation prompt")
+    chat.add_argument("--return-tokens-as-token-ids", action="store_true",
+                      default=ServerSettings.return_tokens_as_token_ids,
+                      help="logprobs name tokens 'token_id:N' instead of their text (a request's "
+                           "return_tokens_as_token_ids wins)")
     _add_engine_args(srv)
+
+
+class _UnderscoreFlagsParser(argparse.ArgumentParser):
+    """Takes --max_model_len for --max-model-len, as vLLM's command line does (deployment
+    scripts written for vLLM use both spellings)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        if args is not None:
+            args = [_dashed(a) for a in args]
+        return super().parse_known_args(args, namespace)
+
+
+def _dashed(arg: str) -> str:
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
+
+
+class _ListAction(argparse.Action):
+    """nargs="+" values, each a plain word or vLLM's JSON list ('["GET", "POST"]')."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = []
+        for value in values:
+            if value.lstrip().startswith("["):
+                try:
+                    parsed = json.loads(value)
+                except ValueError as e:
+                    raise argparse.ArgumentError(self, f"{value!r} is not a JSON list: {e}") from None
+                if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+                    raise argparse.ArgumentError(self, f"{value!r} must be a JSON list of strings")
+                items += parsed
+            else:
+                items.append(value)
+        setattr(namespace, self.dest, items)
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def _port(text: str) -> int:

@@ -14,6 +14,7 @@ from nanokv.entrypoints.cli.arguments import model_from_args
 from nanokv.entrypoints.cli.common import EXIT_USAGE, InputError, say
 
 API_KEY_ENV = "NANOKV_API_KEY"  # the key when --api-key is not given
+VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's name for it, read after NANOKV_API_KEY
 _SERVER_MODULES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
 
 
@@ -52,29 +53,63 @@ def serve(args) -> int:
     logging.getLogger("nanokv").setLevel(logging.INFO)
 
     from nanokv.entrypoints.openai.api_server import run_server
-    from nanokv.entrypoints.openai.settings import ServerSettings, check_api_key
+    from nanokv.entrypoints.openai.settings import ServerSettings, check_api_key, load_chat_template
 
-    api_key, key_source = args.api_key, "--api-key"
-    if api_key is None:
-        api_key, key_source = os.environ.get(API_KEY_ENV), f"${API_KEY_ENV}"
+    api_key, key_source = _api_key(args.api_key)
     if api_key is not None:  # an empty one ("$UNSET_VARIABLE") is refused, never taken as "no key"
         try:
             check_api_key(api_key)
         except ValueError as e:
             raise InputError(f"{key_source}: {e}") from None
+    if args.disable_log_requests:
+        logging.getLogger("nanokv").info("--disable-log-requests has no effect: requests are logged only with "
+                                         "--enable-log-requests")
     try:
+        chat_template = None if args.chat_template is None else _check_template(load_chat_template(args.chat_template))
         settings = ServerSettings(
             model_names=tuple(args.served_model_name or [model]), host=args.host, port=args.port,
             api_key=api_key, allowed_hosts=tuple(args.allowed_hosts or ()),
-            allowed_origins=tuple(args.allowed_origins or ()), max_waiting=args.max_waiting,
+            allowed_origins=tuple(args.allowed_origins or ()), allowed_methods=tuple(args.allowed_methods),
+            allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
+            max_waiting=args.max_waiting,
             max_response_tokens=args.max_response_tokens, shutdown_timeout=args.shutdown_timeout,
             timeout_keep_alive=args.timeout_keep_alive, timeout_request_read=args.timeout_request_read,
             timeout_response_write=args.timeout_response_write,
             max_connections=args.max_connections, log_level=args.uvicorn_log_level,
-            enable_prompt_tokens_details=args.enable_prompt_tokens_details)
-    except ValueError as e:
+            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+            access_log=not args.disable_uvicorn_access_log,
+            docs=not args.disable_fastapi_docs, chat_template=chat_template,
+            trust_request_chat_template=args.trust_request_chat_template, response_role=args.response_role,
+            return_tokens_as_token_ids=args.return_tokens_as_token_ids, log_requests=args.log_requests,
+            max_log_len=args.max_log_len)
+    except (ValueError, OSError) as e:
         raise InputError(str(e)) from None
     try:
         return run_server(EngineArgs.from_cli_args(args, model=model), settings)
     except ValueError as e:  # a bad engine flag or model
         raise InputError(str(e)) from None
+
+
+def _api_key(flag: str | None) -> tuple[str | None, str]:
+    """The key and where it came from: --api-key, else $NANOKV_API_KEY, else $VLLM_API_KEY;
+    the two variables set to different keys is an error (which one protects the server?)."""
+    if flag is not None:
+        return flag, "--api-key"
+    ours, vllms = os.environ.get(API_KEY_ENV), os.environ.get(VLLM_API_KEY_ENV)
+    if ours is not None and vllms is not None and ours != vllms:
+        raise InputError(f"${API_KEY_ENV} and ${VLLM_API_KEY_ENV} are both set, to different keys; unset one, "
+                         "or give the key with --api-key")
+    if ours is not None:
+        return ours, f"${API_KEY_ENV}"
+    return vllms, f"${VLLM_API_KEY_ENV}"
+
+
+def _check_template(template: str) -> str:
+    """A chat template that is not valid Jinja fails at start, not at the first request."""
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise InputError(f"--chat-template is not a valid Jinja template: {e} (line {e.lineno})") from None
+    return template

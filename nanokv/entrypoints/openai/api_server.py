@@ -1,7 +1,9 @@
 """`nanokv serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
     POST /v1/completions, POST /v1/chat/completions, GET /v1/models (Bearer-checked
-    with --api-key), GET /health, GET /metrics, GET /version
+    with --api-key, as vLLM checks /v1 only), POST /tokenize, POST /detokenize,
+    GET /health, GET|POST /ping, GET /metrics, GET /version, and FastAPI's /docs,
+    /redoc and /openapi.json (unless --disable-fastapi-docs)
 
 The engine runs on an AsyncLLM (one engine thread); this module is the HTTP surface:
 body reading, the API key, error objects, and the process's lifecycle (signals,
@@ -57,8 +59,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         settings = dataclasses.replace(settings, model_names=llm.config.served_model_name or (llm.config.model,))
     prometheus_client.disable_created_metrics()
     metrics = ServerMetrics(llm.engine.metrics, settings.model_names[0])
-    serving = OpenAIServing(llm, list(settings.model_names), settings.max_response_tokens,
-                            enable_prompt_tokens_details=settings.enable_prompt_tokens_details)
+    serving = OpenAIServing(llm, settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -68,8 +69,11 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         yield
         await asyncio.to_thread(llm.shutdown)
 
+    docs = settings.docs
     app = FastAPI(title="nanokv", version=nanokv.__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+                  description="An OpenAI-compatible server (vLLM's routes and request bodies).",
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+                  openapi_url="/openapi.json" if docs else None)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
@@ -79,7 +83,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         message = f"{request.method} {request.url.path}: {exc.detail}"
         if exc.status_code == 404:
-            message += "; the routes are /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics"
+            message += ("; the routes are /v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
+                        "/detokenize, /health, /ping, /metrics, /version" + (", /docs" if docs else ""))
         return json_response(error_body(exc.status_code, message), exc.status_code, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
@@ -90,12 +95,15 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         return json_response(error_body(500, f"internal server error {error_id}; the server's log has the details"),
                              500)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", summary="Complete a prompt (OpenAI's legacy completions)",
+              openapi_extra=_json_body({"model": settings.model_names[0], "prompt": "Hello", "max_tokens": 16}))
     async def completions(request: Request) -> Response:
         body, big = await read_json(request)
         return await serving.completions(body, request, offload=big)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", summary="Answer a conversation (OpenAI's chat completions)",
+              openapi_extra=_json_body({"model": settings.model_names[0],
+                                        "messages": [{"role": "user", "content": "Hello"}]}))
     async def chat_completions(request: Request) -> Response:
         body, big = await read_json(request)
         return await serving.chat(body, request, offload=big)
@@ -105,28 +113,48 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
               "root": llm.config.model, "parent": None, "max_model_len": llm.config.max_model_len}
              for name in settings.model_names]
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", summary="List the served model names")
     async def models() -> Response:
         return json_response({"object": "list", "data": cards})
 
-    @app.get("/v1/models/{name:path}")
+    @app.get("/v1/models/{name:path}", summary="One served model")
     async def model(name: str) -> Response:
         for card in cards:
             if card["id"] == name:
                 return json_response(card)
         raise APIError(404, f"the model {name!r} is not served here; GET /v1/models lists them", "model")
 
-    @app.get("/health")
+    @app.post("/tokenize", summary="Token ids of a prompt or a conversation (vLLM's /tokenize)",
+              openapi_extra=_json_body({"prompt": "Hello", "add_special_tokens": True, "return_token_strs": True}))
+    async def tokenize(request: Request) -> Response:
+        body, big = await read_json(request)
+        return json_response(await asyncio.to_thread(serving.tokenize, body) if big else serving.tokenize(body))
+
+    @app.post("/detokenize", summary="The text of token ids (vLLM's /detokenize)",
+              openapi_extra=_json_body({"tokens": [1, 2, 3]}))
+    async def detokenize(request: Request) -> Response:
+        body, big = await read_json(request)
+        return json_response(await asyncio.to_thread(serving.detokenize, body) if big else serving.detokenize(body))
+
+    @app.get("/health", summary="200 while the engine runs, else 503")
     async def health() -> Response:
         if llm.is_alive:
             return Response(status_code=200)
         return json_response(error_body(503, f"the engine is not running: {llm.dead_reason or 'not started'}"), 503)
 
-    @app.get("/metrics")
+    @app.get("/ping", summary="The same as /health (SageMaker's name)")
+    async def ping() -> Response:
+        return await health()
+
+    @app.post("/ping", summary="The same as /health (SageMaker's name)")
+    async def ping_post() -> Response:
+        return await health()
+
+    @app.get("/metrics", summary="Prometheus metrics")
     async def metrics_route() -> Response:
         return Response(metrics.render(await llm.snapshot()), media_type=CONTENT_TYPE)
 
-    @app.get("/version")
+    @app.get("/version", summary="nanokv's version")
     async def version() -> Response:
         return json_response({"version": nanokv.__version__})
 
@@ -134,10 +162,18 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     if settings.api_key is not None:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
     if settings.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["*"])
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=list(settings.allowed_methods), allow_headers=list(settings.allowed_headers),
+                           allow_credentials=settings.allow_credentials)
     app.add_middleware(SiteGuard, allowed_hosts=settings.allowed_hosts, allowed_origins=settings.allowed_origins)
     return app
+
+
+def _json_body(example: dict) -> dict:
+    """The OpenAPI entry of a route's JSON body (the routes read it themselves, so FastAPI
+    cannot derive one): an object, with an example for /docs' "Try it out"."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"type": "object", "example": example}}}}}
 
 
 async def read_json(request: Request) -> tuple[dict, bool]:
@@ -286,6 +322,7 @@ def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
                     "response for %g s", max_connections, settings.timeout_request_read,
                     settings.timeout_response_write)
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                                access_log=settings.access_log,
                                 timeout_graceful_shutdown=settings.shutdown_timeout + 10, lifespan="on",
                                 timeout_keep_alive=settings.timeout_keep_alive, http=protocol, backlog=backlog)
         server = _Server(config, llm, settings.shutdown_timeout)

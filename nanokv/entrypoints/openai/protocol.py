@@ -14,6 +14,7 @@ import reprlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from nanokv.entrypoints.openai.settings import ServerSettings
 from nanokv.llm import message_text, render_chat
 from nanokv.sampling_params import SamplingParams
 
@@ -92,6 +93,24 @@ class GenerationRequest:
     continuous_usage: bool  # stream_options.continuous_usage_stats (vLLM): usage on every chunk
     logprobs: int | None  # top-N per token (completions: logprobs; chat: top_logprobs), None: off
     param_names: dict[str, str]  # SamplingParams field -> the request field it came from
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:N" (return_tokens_as_token_ids)
+    role: str = "assistant"  # chat: the answer's role
+
+
+@dataclass
+class TokenizeRequest:
+    """POST /tokenize, validated and tokenized."""
+
+    prompt: str  # the text (chat: the rendered conversation)
+    token_ids: list[int]
+    token_strs: bool  # return_token_strs
+
+
+@dataclass
+class DetokenizeRequest:
+    """POST /detokenize, validated."""
+
+    token_ids: list[int]
 
 
 # ---- the fields ------------------------------------------------------------------------------
@@ -135,20 +154,25 @@ _UNSUPPORTED_CHAT = {
     "audio": _off(None),
     "modalities": lambda v, body: v is None or v == ["text"],
     "prediction": _off(None),
-    "chat_template": _off(None),
     "chat_template_kwargs": _off(None, {}),
     "continue_final_message": _off(None, False),
     "documents": _off(None),
     "web_search_options": _off(None),
 }
+_UNSUPPORTED_TOKENIZE = {
+    "tools": _off(None, []),
+    "chat_template_kwargs": _off(None, {}),
+    "continue_final_message": _off(None, False),
+    "mm_processor_kwargs": _off(None, {}),
+}
 
 
-def parse_completion(body: dict, model_names: list[str], limits: Limits,
+def parse_completion(body: dict, settings: ServerSettings, limits: Limits,
                      defaults: dict | None = None) -> GenerationRequest:
     """POST /v1/completions. defaults: SamplingParams field -> the model's default
     (EngineConfig.default_sampling_params) for the fields the request leaves unset."""
     _check_unsupported(body, _UNSUPPORTED_COMPLETION)
-    model = _model(body, model_names)
+    model = check_model(body, settings.model_names)
     prompts = _prompts(body.get("prompt"))
     for prompt in prompts:
         if isinstance(prompt, str):
@@ -165,18 +189,18 @@ def parse_completion(body: dict, model_names: list[str], limits: Limits,
     limits.check_max_tokens(params, "max_tokens")
     stream, include_usage, continuous = _stream(body)
     return GenerationRequest(model, prompts, params, stream, include_usage, continuous, params.logprobs,
-                             {"prompt": "prompt", **names})
+                             {"prompt": "prompt", **names}, _tokens_as_ids(body, settings))
 
 
-def parse_chat(body: dict, model_names: list[str], tokenizer, limits: Limits,
+def parse_chat(body: dict, settings: ServerSettings, tokenizer, limits: Limits,
                defaults: dict | None = None) -> GenerationRequest:
     """POST /v1/chat/completions; the messages are rendered with the chat template.
     defaults: as parse_completion's."""
     _check_unsupported(body, _UNSUPPORTED_CHAT)
-    model = _model(body, model_names)
+    model = check_model(body, settings.model_names)
     messages = _messages(body.get("messages"))
-    limits.check_text(sum(len(m["content"]) + len(m["role"]) + len(m.get("name", "")) for m in messages),
-                      "messages")
+    _check_messages_length(messages, limits)
+    template = _chat_template(body, settings)
     add_generation_prompt = _get(body, "add_generation_prompt", bool, "true or false", True)
     kwargs = _sampling_kwargs(body, defaults)
     names = {"prompt": "messages"}
@@ -196,11 +220,90 @@ def parse_chat(body: dict, model_names: list[str], tokenizer, limits: Limits,
     params = _sampling_params(kwargs, names)
     limits.check_max_tokens(params, names["max_tokens"])
     stream, include_usage, continuous = _stream(body)
+    prompt = _render(tokenizer, messages, template, add_generation_prompt)
+    # vLLM's rule: the configured role answers a generation prompt; without one the model
+    # continues the last message, so the answer has that message's role
+    role = settings.response_role if add_generation_prompt else messages[-1]["role"]
+    return GenerationRequest(model, [prompt], params, stream, include_usage, continuous, params.logprobs, names,
+                             _tokens_as_ids(body, settings), role)
+
+
+def parse_tokenize(body: dict, settings: ServerSettings, tokenizer, limits: Limits) -> TokenizeRequest:
+    """POST /tokenize: {"prompt": text} or {"messages": [...]} (vLLM's two bodies); special
+    tokens are added to a prompt by default, not to a conversation (its template holds them)."""
+    check_model(body, settings.model_names)
+    token_strs = _get(body, "return_token_strs", bool, "true or false", False)
+    if "messages" in body:
+        _check_unsupported(body, _UNSUPPORTED_TOKENIZE)
+        messages = _messages(body["messages"])
+        _check_messages_length(messages, limits)
+        template = _chat_template(body, settings)
+        add_generation_prompt = _get(body, "add_generation_prompt", bool, "true or false", True)
+        add_special = _get(body, "add_special_tokens", bool, "true or false", False)
+        text = _render(tokenizer, messages, template, add_generation_prompt)["prompt"]
+    else:
+        text = body.get("prompt")
+        if not isinstance(text, str):
+            raise bad_request(f'send "prompt": a string, or "messages": a list of messages; got prompt '
+                              f"{_show(text)}", "prompt")
+        limits.check_text(len(text), "prompt")
+        add_special = _get(body, "add_special_tokens", bool, "true or false", True)
+    return TokenizeRequest(text, tokenizer(text, add_special_tokens=add_special).input_ids, token_strs)
+
+
+def parse_detokenize(body: dict, settings: ServerSettings, vocab_size: int) -> DetokenizeRequest:
+    """POST /detokenize: {"tokens": [ids]}; an id outside the vocabulary is a 400."""
+    check_model(body, settings.model_names)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise bad_request(f"tokens must be a list of token ids, got {_show(tokens)}", "tokens")
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"tokens holds {bad}, which is not a token id: the vocabulary has ids 0 to "
+                          f"{vocab_size - 1}", "tokens")
+    return DetokenizeRequest(tokens)
+
+
+def check_model(body: dict, names: tuple[str, ...]) -> str:
+    """The served name the request asked for (none: the first); 404 for another, as vLLM."""
+    model = body.get("model")
+    if model is None:
+        return names[0]
+    if not isinstance(model, str):
+        raise bad_request(f"model must be a string, got {_show(model)}", "model")
+    if model not in names:
+        shown = model if len(model) <= 200 else model[:197] + "..."
+        raise APIError(404, f"The model `{shown}` does not exist.", "model")
+    return model
+
+
+def _check_messages_length(messages: list[dict], limits: Limits) -> None:
+    limits.check_text(sum(len(m["content"]) + len(m["role"]) + len(m.get("name", "")) for m in messages),
+                      "messages")
+
+
+def _chat_template(body: dict, settings: ServerSettings) -> str | None:
+    """The request's chat_template when the server trusts requests' templates, else the
+    server's (None: the tokenizer's)."""
+    template = _get(body, "chat_template", str, "a string (a Jinja template)")
+    if template is None:
+        return settings.chat_template
+    if not settings.trust_request_chat_template:
+        raise bad_request("chat_template in a request is refused: the server uses its own (--chat-template, else "
+                          "the tokenizer's); start it with --trust-request-chat-template to allow it, or drop the "
+                          "field", "chat_template")
+    return template
+
+
+def _render(tokenizer, messages: list[dict], template: str | None, add_generation_prompt: bool) -> dict:
     try:
-        prompt = render_chat(tokenizer, messages, None, add_generation_prompt)
+        return render_chat(tokenizer, messages, template, add_generation_prompt)
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
-    return GenerationRequest(model, [prompt], params, stream, include_usage, continuous, params.logprobs, names)
+
+
+def _tokens_as_ids(body: dict, settings: ServerSettings) -> bool:
+    return _get(body, "return_tokens_as_token_ids", bool, "true or false", settings.return_tokens_as_token_ids)
 
 
 def rename_fields(message: str, names: dict[str, str]) -> str:
@@ -257,18 +360,6 @@ def _check_unsupported(body: dict, fields: dict) -> None:
             if not ok:
                 raise bad_request(f"{name}={_show(body[name])} is not supported by nanokv; remove it "
                                   "(see the README's Server section for what is)", name)
-
-
-def _model(body: dict, names: list[str]) -> str:
-    model = body.get("model")
-    if model is None:
-        return names[0]
-    if not isinstance(model, str):
-        raise bad_request(f"model must be a string, got {_show(model)}", "model")
-    if model not in names:
-        raise bad_request(f"the model {_show(model)} is not served here; use "
-                          f"{' or '.join(repr(n) for n in names)} (GET /v1/models lists them)", "model")
-    return model
 
 
 _PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"

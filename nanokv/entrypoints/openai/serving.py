@@ -1,5 +1,6 @@
 """/v1/completions and /v1/chat/completions: a validated request becomes engine requests
 on the AsyncLLM; their outputs become OpenAI's response, or SSE chunks when streamed.
+/tokenize and /detokenize answer from the tokenizer alone.
 
 A streamed request gets the engine's deltas (whose concatenation is the whole text, the
 output processor's rule); a non-streamed one asks the engine for its finished output only,
@@ -25,7 +26,8 @@ from nanokv.async_llm import AsyncLLM, QueueFullError, RequestAbortedError, Requ
 from nanokv.engine.types import EngineDeadError
 from nanokv.entrypoints.openai.protocol import (
     APIError, GenerationRequest, Limits, bad_request, error_body, param_of, parse_chat, parse_completion,
-    rename_fields)
+    parse_detokenize, parse_tokenize, rename_fields)
+from nanokv.entrypoints.openai.settings import ServerSettings
 from nanokv.output_processor import RequestState
 from nanokv.outputs import CompletionOutput, Logprob
 
@@ -107,18 +109,49 @@ class _Choice:
             self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
 
 
+def token_id_name(token_id: int) -> str:
+    """A token as --return-tokens-as-token-ids names it in logprobs (vLLM's form)."""
+    return f"token_id:{token_id}"
+
+
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, model_names: list[str], max_response_tokens: int, *,
-                 enable_prompt_tokens_details: bool = False):
+    def __init__(self, llm: AsyncLLM, settings: ServerSettings):
         self.llm = llm
-        self.model_names = model_names
-        self.max_response_tokens = max_response_tokens
-        self.enable_prompt_tokens_details = enable_prompt_tokens_details
+        self.settings = settings
+        self.max_response_tokens = settings.max_response_tokens
+        self.enable_prompt_tokens_details = settings.enable_prompt_tokens_details
         self.token_text = TokenText(llm.tokenizer)
         self.limits = Limits.of(llm.tokenizer, llm.config.max_model_len)
         self.sampling_defaults = llm.config.default_sampling_params  # for the fields a request leaves unset
         if self.sampling_defaults:
             logger.info("Using default sampling params from model generation config: %s", self.sampling_defaults)
+
+    # ---- the tokenizer alone -------------------------------------------------------------------
+    def tokenize(self, body: dict) -> dict:
+        """vLLM's TokenizeResponse: count, max_model_len, tokens, token_strs (null unless asked)."""
+        tokenizer = self.llm.tokenizer
+        req = parse_tokenize(body, self.settings, tokenizer, self.limits)
+        self._log_request(f"tokn-{uuid.uuid4().hex}", req.prompt, req.token_ids, None)
+        strs = tokenizer.convert_ids_to_tokens(req.token_ids) if req.token_strs else None
+        return {"count": len(req.token_ids), "max_model_len": self.llm.config.max_model_len,
+                "tokens": req.token_ids, "token_strs": strs}
+
+    def detokenize(self, body: dict) -> dict:
+        tokenizer = self.llm.tokenizer
+        req = parse_detokenize(body, self.settings, len(tokenizer))
+        self._log_request(f"tokn-{uuid.uuid4().hex}", None, req.token_ids, None)
+        return {"prompt": tokenizer.decode(req.token_ids)}
+
+    def _log_request(self, request_id: str, prompt: str | None, token_ids: list[int] | None, params) -> None:
+        """--enable-log-requests: vLLM's INFO line, prompt and ids cut to --max-log-len."""
+        if not self.settings.log_requests:
+            return
+        cut = self.settings.max_log_len
+        if cut is not None:
+            prompt = None if prompt is None else prompt[:cut]
+            token_ids = None if token_ids is None else token_ids[:cut]
+        logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s.", request_id, prompt,
+                    params, token_ids)
 
     async def completions(self, body: dict, request: Request, *, offload: bool = False) -> Response:
         """offload: validate and tokenize in a worker thread (a big body must not stall
@@ -162,10 +195,12 @@ class OpenAIServing:
 
     def _prepare(self, body: dict, chat: bool, response_id: str) -> tuple[GenerationRequest, list[RequestState]]:
         """The body, validated, as engine requests (nothing queued yet)."""
-        gen = (parse_chat(body, self.model_names, self.llm.tokenizer, self.limits, self.sampling_defaults) if chat
-               else parse_completion(body, self.model_names, self.limits, self.sampling_defaults))
+        gen = (parse_chat(body, self.settings, self.llm.tokenizer, self.limits, self.sampling_defaults) if chat
+               else parse_completion(body, self.settings, self.limits, self.sampling_defaults))
         self.llm.check_room(len(gen.prompts) * gen.params.n)  # before tokenizing a big batch
         reqs = self._make_requests(gen, response_id)
+        for req in reqs:
+            self._log_request(req.request_id, req.prompt, req.prompt_token_ids, gen.params)
         if not gen.stream:
             self._check_response_size(gen, reqs)
         return gen, reqs
@@ -255,6 +290,8 @@ class _Answer:
                  reqs: list[RequestState]):
         self.gen, self.chat, self.id = gen, chat, response_id
         self.token_text = serving.token_text
+        # how logprobs name a token: its text, or "token_id:N"
+        self.token_name = token_id_name if gen.tokens_as_ids else serving.token_text
         self.created = int(time.time())
         n = gen.params.n
         self.base = {r.request_id: i * n for i, r in enumerate(reqs)}
@@ -288,7 +325,7 @@ class _Answer:
             logprobs = (self._chat_logprobs(ch.token_ids, ch.logprobs) if self.chat
                         else self._completion_logprobs(ch.token_ids, ch.logprobs, 0)[0])
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": text, "tool_calls": []},
+            return {"index": index, "message": {"role": self.gen.role, "content": text, "tool_calls": []},
                     "logprobs": logprobs, "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": ch.finish_reason,
                 "stop_reason": ch.stop_reason}
@@ -307,7 +344,7 @@ class _Answer:
 
         try:
             if self.chat:  # the role first, one chunk per choice (as OpenAI and vLLM do)
-                yield b"".join(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                yield b"".join(chunk([{"index": i, "delta": {"role": gen.role, "content": ""},
                                        "logprobs": None, "finish_reason": None}])
                                for i in range(self.num_choices))
             while outputs := await stream.next_outputs():
@@ -356,30 +393,29 @@ class _Answer:
     def _completion_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]],
                              offset: int) -> tuple[dict, int]:
         """The legacy shape: tokens, token_logprobs, top_logprobs (top N and the sampled
-        token, so up to N + 1 entries, keyed by their text), text_offset."""
-        text = self.token_text
+        token, so up to N + 1 entries, keyed by their name), text_offset (into the text)."""
+        name = self.token_name
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for token_id, entry in zip(token_ids, entries):
-            token = text(token_id)
-            tokens.append(token)
+            tokens.append(name(token_id))
             token_logprobs.append(_logprob(entry[token_id].logprob))
             top: dict[str, float] = {}
             for t, lp in entry.items():  # two tokens with one text (partial characters): keep the likelier
-                key, value = text(t), _logprob(lp.logprob)
+                key, value = name(t), _logprob(lp.logprob)
                 if value > top.get(key, -math.inf):
                     top[key] = value
             tops.append(top)
             offsets.append(offset)
-            offset += len(token)
+            offset += len(self.token_text(token_id))
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
                 "text_offset": offsets}, offset
 
     def _chat_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]]) -> dict:
         """{"content": [{"token", "logprob", "bytes", "top_logprobs": [the top N by rank]}]}."""
-        text, top_n = self.token_text, self.gen.logprobs
+        name, top_n = self.token_name, self.gen.logprobs
 
         def item(token_id: int, lp: Logprob) -> dict:
-            token = text(token_id)
+            token = name(token_id)
             return {"token": token, "logprob": _logprob(lp.logprob), "bytes": list(token.encode("utf-8"))}
 
         content = []

@@ -4,6 +4,7 @@ of the serve extra, so the CLI can read the defaults without fastapi."""
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -20,7 +21,12 @@ class ServerSettings:
     # Host names accepted besides IP addresses and localhost; empty: checked only for
     # requests that arrive over loopback; "*": not checked (sites.py)
     allowed_hosts: tuple[str, ...] = ()
-    allowed_origins: tuple[str, ...] = ()  # web origins that may call the API (CORS); empty: none
+    # CORS: off unless allowed_origins names an origin (vLLM's defaults are ["*"] for all three
+    # and CORS always on); methods and headers apply once it is on
+    allowed_origins: tuple[str, ...] = ()  # web origins that may call the API; empty: none
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False  # cookies and Authorization on cross-origin requests
     max_waiting: int | None = 1024  # sequences queued for admission; beyond it 503
     # A non-streamed response is held whole until it is sent: prompts x n x max_tokens x
     # (1 + logprobs) at most (max_tokens unset: what max_model_len leaves after the prompt),
@@ -41,12 +47,28 @@ class ServerSettings:
     # usage.prompt_tokens_details = {"cached_tokens": prompt tokens found in the prefix cache}
     # (vLLM's --enable-prompt-tokens-details); False: null
     enable_prompt_tokens_details: bool = False
+    access_log: bool = True  # uvicorn's line per request (--disable-uvicorn-access-log turns it off)
+    docs: bool = True  # /docs, /redoc and /openapi.json (--disable-fastapi-docs turns them off)
+    # the chat template's text for chat completions and /tokenize (--chat-template: a file or
+    # the template itself); None: the tokenizer's
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False  # whether a request's own chat_template is used (else 400)
+    response_role: str = "assistant"  # the role of the answer when add_generation_prompt is true
+    # logprobs name tokens "token_id:N" instead of their text (a request's own
+    # return_tokens_as_token_ids wins)
+    return_tokens_as_token_ids: bool = False
+    log_requests: bool = False  # an INFO line per request: id, prompt, token ids, sampling params
+    max_log_len: int | None = None  # prompt characters and token ids a request's log line shows; None: all
 
     def __post_init__(self) -> None:
         if self.api_key is not None:
             check_api_key(self.api_key)
         check_allowed_hosts(self.allowed_hosts)
         check_allowed_origins(self.allowed_origins)
+        if not self.response_role.strip():
+            raise ValueError("--response-role is empty; give a role name such as assistant")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"--max-log-len must be >= 0, got {self.max_log_len}")
 
 
 def check_api_key(key: str) -> None:
@@ -75,3 +97,20 @@ def check_allowed_origins(origins: tuple[str, ...]) -> None:
         if origin != "*" and not _ORIGIN.fullmatch(origin):
             raise ValueError(f"--allowed-origins: {origin!r} is not an origin; give scheme://host[:port] "
                              "(http://localhost:3000, no path) or * for any")
+
+
+_JINJA_CHARS = "{}\n"  # a value holding any of these is a template, not a path (vLLM's rule)
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template's value as the template's text: the file it names, or (holding
+    braces or a newline) the template itself, with backslash escapes such as \\n
+    decoded. ValueError for a path that is not a file."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if any(c in value for c in _JINJA_CHARS):
+        # a one-line template from a shell writes newlines as \n; non-ASCII text survives
+        return value.encode("latin-1", "backslashreplace").decode("unicode_escape") if "\\" in value else value
+    raise ValueError(f"--chat-template: {value!r} is not a file, nor a template (a Jinja template holds "
+                     "{{ or {%); give the path of a .jinja file or the template itself")
