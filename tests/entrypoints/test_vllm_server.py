@@ -314,6 +314,18 @@ def test_enable_log_requests_logs_each_request_cut_to_max_log_len(offline, caplo
     assert len(lines) == 2 and f"prompt: {prompt!r}" in lines[0] and f"prompt_token_ids: {ids}." in lines[0]
 
 
+def test_request_id_headers(offline):
+    asks = [post("/v1/completions", {"prompt": "Hi", "max_tokens": 1}, {"X-Request-Id": "abc-1"}),
+            post("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "stream": True}),
+            post("/v1/completions", {"model": "nope", "prompt": "Hi"}, {"X-Request-Id": "abc-2"})]
+    on = exchange(offline, asks, settings={"request_id_headers": True})
+    assert [r.status_code for r in on] == [200, 200, 404]
+    assert on[0].headers["x-request-id"] == "abc-1" and on[2].headers["x-request-id"] == "abc-2"
+    assert len(on[1].headers["x-request-id"]) == 32 and "data: [DONE]" in on[1].text
+    off = exchange(offline, asks[:1])
+    assert "x-request-id" not in off[0].headers
+
+
 # ---- the command line ----------------------------------------------------------------------------
 
 @pytest.fixture
@@ -356,6 +368,10 @@ def test_a_vllm_serve_command_line_parses(settings_of, tmp_path):
     assert (settings.log_requests, settings.max_log_len, settings.access_log, settings.docs) == (True, 100, False, False)
     assert settings.return_tokens_as_token_ids and settings.allow_credentials and settings.trust_request_chat_template
 
+    more, _ = settings_of(["org/model", "--enable-request-id-headers", "--disable-frontend-multiprocessing",
+                           "--api-server-count", "1", "--chat-template-content-format", "string"])
+    assert more.request_id_headers
+
     defaults, _ = settings_of(["org/model"])
     assert defaults == ServerSettings(model_names=("org/model",))
 
@@ -386,11 +402,16 @@ def test_vllm_api_key_is_honoured_after_nanokv_api_key(settings_of, monkeypatch,
     assert "$VLLM_API_KEY: the API key is empty" in capsys.readouterr().err
 
 
-def test_disable_log_requests_says_it_has_no_effect(settings_of, caplog):
+def test_vllm_flags_without_a_meaning_here_say_so(settings_of, caplog, capsys):
     with caplog.at_level(logging.INFO, logger="nanokv"):
-        settings, _ = settings_of(["m", "--disable-log-requests"])
+        settings, _ = settings_of(["m", "--disable-log-requests", "--disable-frontend-multiprocessing"])
     assert not settings.log_requests
     assert "--disable-log-requests has no effect" in caplog.text
+    assert "--disable-frontend-multiprocessing has no effect" in caplog.text
+    assert settings_of(["m", "--api-server-count", "2"]) is None
+    assert "nanokv runs one HTTP server process" in capsys.readouterr().err
+    assert settings_of(["m", "--chat-template-content-format", "openai"]) is None
+    assert "give auto or string" in capsys.readouterr().err
 
 
 def test_bad_flag_values_exit_2(capsys):

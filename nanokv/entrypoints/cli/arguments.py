@@ -320,10 +320,20 @@ def _add_serve_parser(sub) -> None:
                            "--enable-log-requests)")
     http.add_argument("--max-log-len", type=_non_negative_int, default=ServerSettings.max_log_len,
                       help="most prompt characters and prompt token ids a request's log line shows (None: all)")
+    http.add_argument("--enable-request-id-headers", action="store_true", default=ServerSettings.request_id_headers,
+                      help="responses carry an X-Request-Id header: the request's own, else a new id")
+    http.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                      help="accepted for vLLM's command lines; no effect (the server and the engine share one "
+                           "process)")
+    http.add_argument("--api-server-count", "-asc", type=_positive_int, default=1,
+                      help="HTTP server processes; nanokv runs one (vLLM's flag, only 1 is taken)")
     chat = srv.add_argument_group("chat and logprobs")
     chat.add_argument("--chat-template", default=ServerSettings.chat_template,
                       help="the chat template for chat completions and /tokenize: a file, or the template itself "
                            "(None: the tokenizer's)")
+    chat.add_argument("--chat-template-content-format", choices=["auto", "string", "openai"], default="auto",
+                      help="how message content reaches the template: nanokv gives it as a string (text parts "
+                           "joined by newlines), which 'auto' and 'string' mean; 'openai' is refused")
     chat.add_argument("--trust-request-chat-template", action="store_true",
                       default=ServerSettings.trust_request_chat_template,
                       help="use a request's own chat_template (otherwise such a request gets 400)")

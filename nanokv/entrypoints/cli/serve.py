@@ -61,9 +61,7 @@ def serve(args) -> int:
             check_api_key(api_key)
         except ValueError as e:
             raise InputError(f"{key_source}: {e}") from None
-    if args.disable_log_requests:
-        logging.getLogger("nanokv").info("--disable-log-requests has no effect: requests are logged only with "
-                                         "--enable-log-requests")
+    _check_vllm_only_flags(args)
     try:
         chat_template = None if args.chat_template is None else _check_template(load_chat_template(args.chat_template))
         settings = ServerSettings(
@@ -81,13 +79,29 @@ def serve(args) -> int:
             docs=not args.disable_fastapi_docs, chat_template=chat_template,
             trust_request_chat_template=args.trust_request_chat_template, response_role=args.response_role,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids, log_requests=args.log_requests,
-            max_log_len=args.max_log_len)
+            max_log_len=args.max_log_len, request_id_headers=args.enable_request_id_headers)
     except (ValueError, OSError) as e:
         raise InputError(str(e)) from None
     try:
         return run_server(EngineArgs.from_cli_args(args, model=model), settings)
     except ValueError as e:  # a bad engine flag or model
         raise InputError(str(e)) from None
+
+
+def _check_vllm_only_flags(args) -> None:
+    """vLLM's flags a deployment script carries that mean nothing here: said so in the
+    log, or refused when they ask for what nanokv cannot do."""
+    log = logging.getLogger("nanokv")
+    if args.disable_log_requests:
+        log.info("--disable-log-requests has no effect: requests are logged only with --enable-log-requests")
+    if args.disable_frontend_multiprocessing:
+        log.info("--disable-frontend-multiprocessing has no effect: the server and the engine share one process")
+    if args.api_server_count != 1:
+        raise InputError(f"--api-server-count {args.api_server_count}: nanokv runs one HTTP server process; "
+                         "give 1 or drop the flag (run several servers behind a load balancer instead)")
+    if args.chat_template_content_format == "openai":
+        raise InputError("--chat-template-content-format openai: nanokv gives templates message content as a "
+                         "string (text parts joined by newlines); give auto or string")
 
 
 def _api_key(flag: str | None) -> tuple[str | None, str]:

@@ -158,7 +158,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     async def version() -> Response:
         return json_response({"version": nanokv.__version__})
 
-    # the last added runs first: the site checks, then CORS (when asked for), then the key
+    # the last added runs first: the request id (when asked for), the site checks, then CORS
+    # (when asked for), then the key
     if settings.api_key is not None:
         app.add_middleware(BearerAuth, api_key=settings.api_key)
     if settings.allowed_origins:
@@ -166,6 +167,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
                            allow_methods=list(settings.allowed_methods), allow_headers=list(settings.allowed_headers),
                            allow_credentials=settings.allow_credentials)
     app.add_middleware(SiteGuard, allowed_hosts=settings.allowed_hosts, allowed_origins=settings.allowed_origins)
+    if settings.request_id_headers:
+        app.add_middleware(RequestIdHeader)
     return app
 
 
@@ -260,6 +263,30 @@ class BearerAuth:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class RequestIdHeader:
+    """--enable-request-id-headers: every response carries X-Request-Id, the request's
+    own or a new one (vLLM's header; pure ASGI, so streams pass through)."""
+
+    _MAX = 256  # a longer id is not echoed (it would only grow every response)
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"")
+        request_id = given if 0 < len(given) <= self._MAX else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 # ---- the process ---------------------------------------------------------------------------------

@@ -58,6 +58,7 @@ class ServerSettings:
     # return_tokens_as_token_ids wins)
     return_tokens_as_token_ids: bool = False
     log_requests: bool = False  # an INFO line per request: id, prompt, token ids, sampling params
+    request_id_headers: bool = False  # responses carry X-Request-Id (the request's own, else a new one)
     max_log_len: int | None = None  # prompt characters and token ids a request's log line shows; None: all
 
     def __post_init__(self) -> None:
