@@ -376,6 +376,27 @@ def test_a_vllm_serve_command_line_parses(settings_of, tmp_path):
     assert defaults == ServerSettings(model_names=("org/model",))
 
 
+def test_config_yaml_gives_flags_and_the_command_line_wins(settings_of, tmp_path, capsys):
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: org/model\nport: 8001\nmax_model_len: 1024\nenable-prefix-caching: false\n"
+                      "enable_log_requests: true\ndisable-fastapi-docs: false\nserved-model-name: [m1, m2]\n"
+                      "allowed-origins: ['http://a.b']\nresponse-role: bot\n")
+    settings, engine = settings_of(["--config", str(config), "--port", "9000", "--response_role", "helper"])
+    assert (engine.model, engine.max_model_len, engine.enable_prefix_caching) == ("org/model", 1024, False)
+    assert (settings.port, settings.model_names, settings.allowed_origins) == (9000, ("m1", "m2"), ("http://a.b",))
+    assert settings.log_requests and settings.docs and settings.response_role == "helper"
+    positional, engine = settings_of(["org/model", f"--config={config}"])
+    assert positional.port == 8001 and engine.model == "org/model"
+    for text, match in (("- port\n", "expected a mapping"), ("port: [\n", "--config")):
+        config.write_text(text)
+        with pytest.raises(SystemExit):
+            main(["serve", "--config", str(config)])
+        assert match in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--config", str(tmp_path / "none.yaml")])
+    assert "No such file" in capsys.readouterr().err
+
+
 def test_chat_template_values(settings_of, capsys):
     inline, _ = settings_of(["m", "--chat-template", "{% for m in messages %}{{ m.content }}\\n{% endfor %}"])
     assert inline.chat_template == "{% for m in messages %}{{ m.content }}\n{% endfor %}"

@@ -250,9 +250,12 @@ def _add_serve_parser(sub) -> None:
                          formatter_class=HelpFormatter, usage="nanokv serve [MODEL] [options]",
                          description="Serve a model over HTTP with OpenAI's API: /v1/completions, "
                                      "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, "
-                                     "/metrics. Flags may be spelled with underscores, as vLLM allows "
-                                     "(--max_model_len).")
-    srv.__class__ = _UnderscoreFlagsParser  # subparsers are built by add_parser; only serve takes vLLM's spellings
+                                     "/metrics. As in vLLM, flags may be spelled with underscores "
+                                     "(--max_model_len) and --config FILE.yaml gives flags as keys.")
+    srv.__class__ = _VllmStyleParser  # subparsers are built by add_parser; only serve takes vLLM's forms
+    srv.add_argument("--config", metavar="FILE.yaml",
+                     help="flags as a YAML mapping (port: 8001, enable-prefix-caching: true); flags given on "
+                          "the command line win")
     srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                      help="the model (the same as --model; default: --model's default)")
     http = srv.add_argument_group("server")
@@ -262,8 +265,8 @@ def _add_serve_parser(sub) -> None:
                       help="the model names clients may use (a response carries the name its request used; the first "
                            "is the default and the /metrics label); default: MODEL")
     http.add_argument("--api-key", default=None,
-                      help="require 'Authorization: Bearer <key>' on every /v1 route (unset: $NANOKV_API_KEY "
-                           "if set, else no key; an empty key is refused)")
+                      help="require 'Authorization: Bearer <key>' on every /v1 route (unset: $NANOKV_API_KEY, "
+                           "else $VLLM_API_KEY, else no key; an empty key is refused)")
     http.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
                       help="Host names requests may use besides IP addresses and localhost (.example.com: a "
                            "domain and its subdomains; *: any); default: any on a network address, only those "
@@ -346,14 +349,51 @@ def _add_serve_parser(sub) -> None:
     _add_engine_args(srv)
 
 
-class _UnderscoreFlagsParser(argparse.ArgumentParser):
-    """Takes --max_model_len for --max-model-len, as vLLM's command line does (deployment
-    scripts written for vLLM use both spellings)."""
+class _VllmStyleParser(argparse.ArgumentParser):
+    """vLLM's command-line forms, which deployment scripts written for vLLM use: --max_model_len
+    for --max-model-len, and --config FILE.yaml, whose keys are flags placed before the
+    command line's own (so those win)."""
 
     def parse_known_args(self, args=None, namespace=None):
         if args is not None:
-            args = [_dashed(a) for a in args]
+            args = self._with_config([_dashed(a) for a in args])
         return super().parse_known_args(args, namespace)
+
+    def _with_config(self, args: list[str]) -> list[str]:
+        for i, arg in enumerate(args):
+            if arg == "--config" or arg.startswith("--config="):
+                path = arg.partition("=")[2] if "=" in arg else (args[i + 1] if i + 1 < len(args) else None)
+                if not path:
+                    self.error("--config needs a YAML file")
+                rest = args[:i] + args[i + (1 if "=" in arg else 2):]
+                head = 1 if rest and not rest[0].startswith("-") else 0  # the positional MODEL stays first
+                return rest[:head] + self._config_args(path) + rest[head:]
+        return args
+
+    def _config_args(self, path: str) -> list[str]:
+        import yaml
+
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError) as e:
+            self.error(f"--config {path}: {e}")
+        if not isinstance(config, dict):
+            self.error(f"--config {path}: expected a mapping of flags to values (port: 8001), got "
+                       f"{type(config).__name__}")
+        flags = {opt for action in self._actions for opt in action.option_strings}
+        out = []
+        for key, value in config.items():
+            flag = "--" + str(key).replace("_", "-")
+            if value is None or value is False and f"--no-{flag[2:]}" not in flags:
+                continue  # unset, or a switch left off
+            if isinstance(value, bool):
+                out.append(flag if value else f"--no-{flag[2:]}")
+            elif isinstance(value, list):
+                out += [flag, *(json.dumps(v) if isinstance(v, (dict, list)) else str(v) for v in value)]
+            else:
+                out += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+        return out
 
 
 def _dashed(arg: str) -> str:
