@@ -476,3 +476,55 @@ def test_a_served_process_with_vllm_flags(model_dir, start_server, tmp_path, mon
     assert "HTTP/1.1\" " not in quiet_log, quiet_log
     assert "Received request chatcmpl-" in quiet_log and "prompt: '[syste'," in quiet_log
     assert "Received request" not in loud_log
+
+
+@pytest.mark.slow
+def test_https_with_ssl_keyfile_and_certfile(model_dir, tmp_path, capsys):
+    import shutil
+    import ssl
+    import subprocess
+
+    from .conftest import Server
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    trust = ssl.create_default_context(cafile=str(cert))
+
+    class TLSServer(Server):
+        @property
+        def url(self) -> str:
+            return f"https://127.0.0.1:{self.port}"
+
+        def _wait_healthy(self, timeout: float) -> bool:
+            import time
+
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    if httpx.get(self.url + "/health", verify=trust, timeout=2).status_code == 200:
+                        return True
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+            return False
+
+    server = TLSServer(model_dir, "--served-model-name", MODEL, "--ssl-keyfile", str(key), "--ssl-certfile",
+                       str(cert), log_path=str(tmp_path / "log"))
+    try:
+        server.start()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60,
+                               http_client=httpx.Client(verify=trust))
+        assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        with pytest.raises(httpx.HTTPError):  # plain HTTP on the HTTPS port gets no answer
+            httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=5).raise_for_status()
+    finally:
+        server.stop()
+
+    assert main(["serve", "/nonexistent/model", "--ssl-keyfile", str(key)]) == 2
+    assert "needs both --ssl-keyfile and --ssl-certfile" in capsys.readouterr().err
+    assert main(["serve", "/nonexistent/model", "--ssl-keyfile", str(key), "--ssl-certfile", "/no/cert.pem"]) == 2
+    assert "--ssl-certfile: '/no/cert.pem' is not a file" in capsys.readouterr().err

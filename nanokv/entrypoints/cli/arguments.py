@@ -330,6 +330,14 @@ def _add_serve_parser(sub) -> None:
                            "process)")
     http.add_argument("--api-server-count", "-asc", type=_positive_int, default=1,
                       help="HTTP server processes; nanokv runs one (vLLM's flag, only 1 is taken)")
+    http.add_argument("--ssl-keyfile", default=ServerSettings.ssl_keyfile,
+                      help="serve HTTPS with this private key (PEM), with --ssl-certfile")
+    http.add_argument("--ssl-certfile", default=ServerSettings.ssl_certfile,
+                      help="serve HTTPS with this certificate chain (PEM), with --ssl-keyfile")
+    http.add_argument("--ssl-ca-certs", default=ServerSettings.ssl_ca_certs,
+                      help="CA certificates (PEM) that client certificates are checked against")
+    http.add_argument("--ssl-cert-reqs", type=int, choices=[0, 1, 2], default=ServerSettings.ssl_cert_reqs,
+                      help="client certificates: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*)")
     chat = srv.add_argument_group("chat and logprobs")
     chat.add_argument("--chat-template", default=ServerSettings.chat_template,
                       help="the chat template for chat completions and /tokenize: a file, or the template itself "

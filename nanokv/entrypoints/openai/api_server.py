@@ -64,8 +64,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         llm.start()
-        logger.info("serving %s as %s on http://%s:%d", llm.config.model, ", ".join(settings.model_names),
-                    settings.host, settings.port)
+        logger.info("serving %s as %s on %s://%s:%d", llm.config.model, ", ".join(settings.model_names),
+                    "https" if settings.ssl_certfile else "http", settings.host, settings.port)
         yield
         await asyncio.to_thread(llm.shutdown)
 
@@ -349,7 +349,9 @@ def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
                     "response for %g s", max_connections, settings.timeout_request_read,
                     settings.timeout_response_write)
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                                access_log=settings.access_log,
+                                access_log=settings.access_log, ssl_keyfile=settings.ssl_keyfile,
+                                ssl_certfile=settings.ssl_certfile, ssl_ca_certs=settings.ssl_ca_certs,
+                                ssl_cert_reqs=settings.ssl_cert_reqs,
                                 timeout_graceful_shutdown=settings.shutdown_timeout + 10, lifespan="on",
                                 timeout_keep_alive=settings.timeout_keep_alive, http=protocol, backlog=backlog)
         server = _Server(config, llm, settings.shutdown_timeout)

@@ -59,6 +59,12 @@ class ServerSettings:
     return_tokens_as_token_ids: bool = False
     log_requests: bool = False  # an INFO line per request: id, prompt, token ids, sampling params
     request_id_headers: bool = False  # responses carry X-Request-Id (the request's own, else a new one)
+    # HTTPS (uvicorn's): the key and certificate files, both or neither; the CA certificates
+    # and whether clients must present a certificate (ssl.CERT_NONE 0, OPTIONAL 1, REQUIRED 2)
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
     max_log_len: int | None = None  # prompt characters and token ids a request's log line shows; None: all
 
     def __post_init__(self) -> None:
@@ -68,6 +74,12 @@ class ServerSettings:
         check_allowed_origins(self.allowed_origins)
         if not self.response_role.strip():
             raise ValueError("--response-role is empty; give a role name such as assistant")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile; give both, or neither for HTTP")
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"--{name.replace('_', '-')}: {path!r} is not a file")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"--max-log-len must be >= 0, got {self.max_log_len}")
 
