@@ -433,6 +433,11 @@ def test_vllm_flags_without_a_meaning_here_say_so(settings_of, caplog, capsys):
     assert "nanokv runs one HTTP server process" in capsys.readouterr().err
     assert settings_of(["m", "--chat-template-content-format", "openai"]) is None
     assert "give auto or string" in capsys.readouterr().err
+    for argv, what in ((["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], "tool calling"),
+                       (["--reasoning-parser", "deepseek_r1"], "reasoning parsers"),
+                       (["--lora-modules", "a=/x", "b=/y"], "LoRA adapters"), (["--root-path", "/v"], "a root path")):
+        assert settings_of(["m", *argv]) is None
+        assert f"{argv[0]}: nanokv's server does not support {what}" in capsys.readouterr().err
 
 
 def test_bad_flag_values_exit_2(capsys):

@@ -338,6 +338,10 @@ def _add_serve_parser(sub) -> None:
                       help="CA certificates (PEM) that client certificates are checked against")
     http.add_argument("--ssl-cert-reqs", type=int, choices=[0, 1, 2], default=ServerSettings.ssl_cert_reqs,
                       help="client certificates: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*)")
+    # vLLM's flags for features nanokv lacks: taken so that the refusal can say why (serve.py)
+    for flag, (nargs, _) in REFUSED_SERVE_FLAGS.items():
+        kind = {"action": "store_const", "const": True} if nargs == 0 else {"nargs": nargs}
+        http.add_argument(flag, default=None, help=argparse.SUPPRESS, **kind)
     chat = srv.add_argument_group("chat and logprobs")
     chat.add_argument("--chat-template", default=ServerSettings.chat_template,
                       help="the chat template for chat completions and /tokenize: a file, or the template itself "
@@ -435,6 +439,15 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+# vLLM serve flags nanokv refuses: flag -> (how many values it takes, what nanokv lacks)
+REFUSED_SERVE_FLAGS = {
+    "--enable-auto-tool-choice": (0, "tool calling"), "--tool-call-parser": (1, "tool calling"),
+    "--tool-parser-plugin": (1, "tool calling"), "--reasoning-parser": (1, "reasoning parsers"),
+    "--lora-modules": ("+", "LoRA adapters"), "--uds": (1, "serving on a Unix socket"),
+    "--root-path": (1, "a root path (serve it at / behind the proxy)"), "--middleware": (1, "ASGI middleware plugins"),
+}
 
 
 def _port(text: str) -> int:

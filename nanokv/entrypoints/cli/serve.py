@@ -101,6 +101,11 @@ def _check_vllm_only_flags(args) -> None:
     if args.api_server_count != 1:
         raise InputError(f"--api-server-count {args.api_server_count}: nanokv runs one HTTP server process; "
                          "give 1 or drop the flag (run several servers behind a load balancer instead)")
+    from nanokv.entrypoints.cli.arguments import REFUSED_SERVE_FLAGS
+
+    for flag, (_, what) in REFUSED_SERVE_FLAGS.items():
+        if getattr(args, flag[2:].replace("-", "_"), None) is not None:
+            raise InputError(f"{flag}: nanokv's server does not support {what}; drop the flag")
     if args.chat_template_content_format == "openai":
         raise InputError("--chat-template-content-format openai: nanokv gives templates message content as a "
                          "string (text parts joined by newlines); give auto or string")
