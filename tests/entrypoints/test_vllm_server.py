@@ -46,14 +46,17 @@ def serve_app(offline, tokenizer=None, **settings) -> tuple[AsyncLLM, object]:
 
 def exchange(offline, requests: list, *, settings: dict | None = None, base: str = "http://test",
              tokenizer=None) -> list:
-    """[(method, path, json body or None, headers)] -> the responses, on a fresh app."""
+    """[(method, path, body (JSON, or raw JSON bytes) or None, headers)] -> the responses, on a
+    fresh app."""
     llm, app = serve_app(offline, tokenizer, **(settings or {}))
 
     async def go():
         llm.start()
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=base) as http:
-                return [await http.request(method, path, json=body, headers=headers or {})
+                return [await http.request(method, path, **(
+                            {"content": body, "headers": {"Content-Type": "application/json", **(headers or {})}}
+                            if isinstance(body, bytes) else {"json": body, "headers": headers or {}}))
                         for method, path, body, headers in requests]
         finally:
             llm.shutdown()
@@ -130,6 +133,8 @@ def test_tokenize_and_detokenize_refuse_bad_bodies(offline):
         post("/tokenize", {"messages": []}),
         post("/tokenize", {"messages": CHAT, "tools": [{"type": "function"}]}),
         post("/tokenize", {"prompt": "x", "return_token_strs": 1}),
+        post("/tokenize", b'{"prompt": "ab\\udfff"}'),
+        post("/tokenize", b'{"messages": [{"role": "user", "content": "\\ud800"}]}'),
     ])
     check_error(r[0], 400, "BadRequestError", "tokens", f"not a token id: the vocabulary has ids 0 to {vocab - 1}")
     check_error(r[1], 400, "BadRequestError", "tokens", "not a token id")
@@ -140,6 +145,8 @@ def test_tokenize_and_detokenize_refuse_bad_bodies(offline):
     check_error(r[6], 400, "BadRequestError", "messages", "non-empty list")
     check_error(r[7], 400, "BadRequestError", "tools", "not supported")
     check_error(r[8], 400, "BadRequestError", "return_token_strs", "true or false")
+    check_error(r[9], 400, "BadRequestError", "prompt", "lone surrogate")
+    check_error(r[10], 400, "BadRequestError", "messages", "lone surrogate")
 
 
 def test_an_unknown_model_is_vllms_404_on_every_route(offline):

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from nanokv.entrypoints.openai.settings import ServerSettings
 from nanokv.llm import message_text, render_chat
+from nanokv.llm_engine import check_text
 from nanokv.sampling_params import SamplingParams
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
@@ -247,6 +248,10 @@ def parse_tokenize(body: dict, settings: ServerSettings, tokenizer, limits: Limi
             raise bad_request(f'send "prompt": a string, or "messages": a list of messages; got prompt '
                               f"{_show(text)}", "prompt")
         limits.check_text(len(text), "prompt")
+        try:
+            check_text(text, "prompt")
+        except ValueError as e:
+            raise bad_request(str(e), "prompt") from None
         add_special = _get(body, "add_special_tokens", bool, "true or false", True)
     return TokenizeRequest(text, tokenizer(text, add_special_tokens=add_special).input_ids, token_strs)
 
