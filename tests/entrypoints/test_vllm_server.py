@@ -321,6 +321,17 @@ def test_enable_log_requests_logs_each_request_cut_to_max_log_len(offline, caplo
     assert len(lines) == 2 and f"prompt: {prompt!r}" in lines[0] and f"prompt_token_ids: {ids}." in lines[0]
 
 
+def test_tokenizer_info_endpoint(offline):
+    tok = offline.get_tokenizer()
+    on = exchange(offline, [get("/tokenizer_info")], settings={"tokenizer_info": True, "chat_template": TEMPLATE})
+    info = on[0].json()
+    assert info["tokenizer_class"] == type(tok).__name__ and info["chat_template"] == TEMPLATE
+    assert info["eos_token"] == tok.eos_token and info["model_max_length"] == tok.model_max_length
+    assert not any(k.endswith("_file") or k == "name_or_path" for k in info)  # no local paths
+    off = exchange(offline, [get("/tokenizer_info")])
+    assert off[0].status_code == 404
+
+
 def test_request_id_headers(offline):
     asks = [post("/v1/completions", {"prompt": "Hi", "max_tokens": 1}, {"X-Request-Id": "abc-1"}),
             post("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "stream": True}),
@@ -376,8 +387,9 @@ def test_a_vllm_serve_command_line_parses(settings_of, tmp_path):
     assert settings.return_tokens_as_token_ids and settings.allow_credentials and settings.trust_request_chat_template
 
     more, _ = settings_of(["org/model", "--enable-request-id-headers", "--disable-frontend-multiprocessing",
-                           "--api-server-count", "1", "--chat-template-content-format", "string"])
-    assert more.request_id_headers
+                           "--api-server-count", "1", "--chat-template-content-format", "string",
+                           "--enable-tokenizer-info-endpoint"])
+    assert more.request_id_headers and more.tokenizer_info
 
     defaults, _ = settings_of(["org/model"])
     assert defaults == ServerSettings(model_names=("org/model",))

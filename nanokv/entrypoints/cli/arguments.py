@@ -323,6 +323,8 @@ def _add_serve_parser(sub) -> None:
                            "--enable-log-requests)")
     http.add_argument("--max-log-len", type=_non_negative_int, default=ServerSettings.max_log_len,
                       help="most prompt characters and prompt token ids a request's log line shows (None: all)")
+    http.add_argument("--enable-tokenizer-info-endpoint", action="store_true", default=ServerSettings.tokenizer_info,
+                      help="serve GET /tokenizer_info: the tokenizer's configuration and chat template")
     http.add_argument("--enable-request-id-headers", action="store_true", default=ServerSettings.request_id_headers,
                       help="responses carry an X-Request-Id header: the request's own, else a new id")
     http.add_argument("--disable-frontend-multiprocessing", action="store_true",

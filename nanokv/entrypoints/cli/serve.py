@@ -80,6 +80,7 @@ def serve(args) -> int:
             trust_request_chat_template=args.trust_request_chat_template, response_role=args.response_role,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids, log_requests=args.log_requests,
             max_log_len=args.max_log_len, request_id_headers=args.enable_request_id_headers,
+            tokenizer_info=args.enable_tokenizer_info_endpoint,
             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
             ssl_cert_reqs=args.ssl_cert_reqs)
     except (ValueError, OSError) as e:

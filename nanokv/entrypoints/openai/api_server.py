@@ -136,6 +136,11 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         body, big = await read_json(request)
         return json_response(await asyncio.to_thread(serving.detokenize, body) if big else serving.detokenize(body))
 
+    if settings.tokenizer_info:
+        @app.get("/tokenizer_info", summary="The tokenizer's configuration (vLLM's /tokenizer_info)")
+        async def tokenizer_info() -> Response:
+            return json_response(serving.tokenizer_info())
+
     @app.get("/health", summary="200 while the engine runs, else 503")
     async def health() -> Response:
         if llm.is_alive:

@@ -142,6 +142,17 @@ class OpenAIServing:
         self._log_request(f"tokn-{uuid.uuid4().hex}", None, req.token_ids, None)
         return {"prompt": tokenizer.decode(req.token_ids)}
 
+    def tokenizer_info(self) -> dict:
+        """vLLM's /tokenizer_info: the tokenizer's init arguments (file paths left out), its
+        class, and the server's chat template when --chat-template set one."""
+        tokenizer = self.llm.tokenizer
+        info = {k: _plain(v) for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+                if not k.endswith("_file") and k != "name_or_path"}
+        info["tokenizer_class"] = type(tokenizer).__name__
+        if self.settings.chat_template is not None:
+            info["chat_template"] = self.settings.chat_template
+        return info
+
     def _log_request(self, request_id: str, prompt: str | None, token_ids: list[int] | None, params) -> None:
         """--enable-log-requests: vLLM's INFO line, prompt and ids cut to --max-log-len."""
         if not self.settings.log_requests:
@@ -231,6 +242,17 @@ class OpenAIServing:
                 param = param_of(message, gen.param_names)
                 raise bad_request(f"prompt {i}: {message}" if len(gen.prompts) > 1 else message, param) from None
         return reqs
+
+
+def _plain(value):
+    """A tokenizer setting as JSON: an added token as its text, anything else unknown as str."""
+    if hasattr(value, "content"):  # AddedToken
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
 
 
 async def _gather(stream: RequestStream) -> list:

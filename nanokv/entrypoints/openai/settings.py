@@ -58,6 +58,7 @@ class ServerSettings:
     # return_tokens_as_token_ids wins)
     return_tokens_as_token_ids: bool = False
     log_requests: bool = False  # an INFO line per request: id, prompt, token ids, sampling params
+    tokenizer_info: bool = False  # GET /tokenizer_info (the tokenizer's configuration, its chat template)
     request_id_headers: bool = False  # responses carry X-Request-Id (the request's own, else a new one)
     # HTTPS (uvicorn's): the key and certificate files, both or neither; the CA certificates
     # and whether clients must present a certificate (ssl.CERT_NONE 0, OPTIONAL 1, REQUIRED 2)
