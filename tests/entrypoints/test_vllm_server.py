@@ -131,7 +131,7 @@ def test_tokenize_and_detokenize_refuse_bad_bodies(offline):
         post("/tokenize", {}),
         post("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}),
         post("/tokenize", {"messages": []}),
-        post("/tokenize", {"messages": CHAT, "tools": [{"type": "function"}]}),
+        post("/tokenize", {"messages": CHAT, "tools": {"type": "function"}}),
         post("/tokenize", {"prompt": "x", "return_token_strs": 1}),
         post("/tokenize", b'{"prompt": "ab\\udfff"}'),
         post("/tokenize", b'{"messages": [{"role": "user", "content": "\\ud800"}]}'),
@@ -143,7 +143,7 @@ def test_tokenize_and_detokenize_refuse_bad_bodies(offline):
     check_error(r[4], 400, "BadRequestError", "prompt", '"messages"')
     check_error(r[5], 400, "BadRequestError", "add_special_tokens", "true or false")
     check_error(r[6], 400, "BadRequestError", "messages", "non-empty list")
-    check_error(r[7], 400, "BadRequestError", "tools", "not supported")
+    check_error(r[7], 400, "BadRequestError", "tools", "list of tool objects")
     check_error(r[8], 400, "BadRequestError", "return_token_strs", "true or false")
     check_error(r[9], 400, "BadRequestError", "prompt", "lone surrogate")
     check_error(r[10], 400, "BadRequestError", "messages", "lone surrogate")
@@ -226,6 +226,54 @@ def test_the_chat_template_serves_chat_completions_and_tokenize(offline):
                    settings={"chat_template": TEMPLATE, "trust_request_chat_template": True})
     assert own[0].json()["tokens"] == tok("x", add_special_tokens=False).input_ids
     assert own[1].json()["usage"]["prompt_tokens"] == len(own[0].json()["tokens"])
+
+
+# a template that shows its variables: a kwarg, the generation prompt, the content's type
+SHOWING = ("{% for m in messages %}<{{ m.role }}>{% if m.content is string %}{{ m.content }}{% else %}"
+           "{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endif %}{% endfor %}"
+           "{% if add_generation_prompt %}<assistant>{% endif %}{% if think %}<think>{% endif %}")
+
+
+def test_template_options_continue_final_message_and_kwargs(offline):
+    tok = offline.get_tokenizer()
+    prefill = [*CHAT, {"role": "assistant", "content": "A KV cache"}]
+    text = lambda s: tok(s, add_special_tokens=False).input_ids  # noqa: E731
+    r = exchange(offline, [
+        post("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"think": True}}),
+        post("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"think": True}, "max_tokens": 1}),
+        post("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"chat_template": "x"}}),
+        post("/tokenize", {"messages": CHAT, "chat_template_kwargs": [1]}),
+    ], settings={"chat_template": SHOWING})
+    assert r[0].json()["tokens"] == text("<system>Be brief.<user>What is a KV cache?<assistant><think>")
+    assert r[1].json()["usage"]["prompt_tokens"] == r[0].json()["count"]
+    check_error(r[2], 400, "BadRequestError", "chat_template_kwargs", "chat_template")
+    check_error(r[3], 400, "BadRequestError", "chat_template_kwargs", "an object")
+
+    # the tokenizer's template closes a message (<|im_end|>); continuing it leaves it open
+    no_prompt = {"messages": prefill, "add_generation_prompt": False}
+    c = exchange(offline, [post("/tokenize", no_prompt),
+                           post("/tokenize", {**no_prompt, "continue_final_message": True}),
+                           post("/v1/chat/completions", {**no_prompt, "continue_final_message": True, "max_tokens": 1}),
+                           post("/tokenize", {"messages": prefill, "continue_final_message": True})])
+    open_ended = render_chat(tok, prefill, add_generation_prompt=False, continue_final_message=True)
+    assert c[1].json()["tokens"] == open_ended["prompt_token_ids"] and open_ended["prompt"].endswith("A KV cache")
+    assert c[0].json()["tokens"] != c[1].json()["tokens"]
+    assert c[2].json()["usage"]["prompt_tokens"] == c[1].json()["count"]
+    assert c[2].json()["choices"][0]["message"]["role"] == "assistant"  # the continued message's role
+    check_error(c[3], 400, "BadRequestError", "continue_final_message", "add_generation_prompt")
+
+    # --chat-template-content-format openai: the template reads OpenAI's parts, not one string
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+             {"role": "assistant", "content": "c"}]
+    body = {"messages": parts, "add_generation_prompt": False}
+    string = exchange(offline, [post("/tokenize", body)], settings={"chat_template": SHOWING})
+    openai_parts = exchange(offline, [post("/tokenize", body),
+                                      post("/tokenize", {**body, "tools": [{"type": "function", "function": {
+                                          "name": "f", "parameters": {}}}]})],
+                            settings={"chat_template": SHOWING, "chat_template_content_format": "openai"})
+    assert string[0].json()["tokens"] == text("<user>a\nb<assistant>c")
+    assert openai_parts[0].json()["tokens"] == text("<user>[a][b]<assistant>[c]")
+    assert openai_parts[1].json()["tokens"] == openai_parts[0].json()["tokens"]  # tools: the template's to use
 
 
 def test_the_response_role_names_the_answer(offline):
@@ -383,13 +431,14 @@ def test_a_vllm_serve_command_line_parses(settings_of, tmp_path):
     assert settings.chat_template == TEMPLATE and settings.response_role == "bot"
     assert (settings.allowed_origins, settings.allowed_methods, settings.allowed_headers) == \
         (("http://a.b",), ("GET", "POST"), ("x-one", "x-two"))
-    assert (settings.log_requests, settings.max_log_len, settings.access_log, settings.docs) == (True, 100, False, False)
+    assert (settings.log_requests, settings.max_log_len, settings.access_log, settings.docs) == \
+        (True, 100, False, False)
     assert settings.return_tokens_as_token_ids and settings.allow_credentials and settings.trust_request_chat_template
 
     more, _ = settings_of(["org/model", "--enable-request-id-headers", "--disable-frontend-multiprocessing",
-                           "--api-server-count", "1", "--chat-template-content-format", "string",
+                           "--api-server-count", "1", "--chat-template-content-format", "openai",
                            "--enable-tokenizer-info-endpoint"])
-    assert more.request_id_headers and more.tokenizer_info
+    assert more.request_id_headers and more.tokenizer_info and more.chat_template_content_format == "openai"
 
     defaults, _ = settings_of(["org/model"])
     assert defaults == ServerSettings(model_names=("org/model",))
@@ -450,8 +499,6 @@ def test_vllm_flags_without_a_meaning_here_say_so(settings_of, caplog, capsys):
     assert "--disable-frontend-multiprocessing has no effect" in caplog.text
     assert settings_of(["m", "--api-server-count", "2"]) is None
     assert "nanokv runs one HTTP server process" in capsys.readouterr().err
-    assert settings_of(["m", "--chat-template-content-format", "openai"]) is None
-    assert "give auto or string" in capsys.readouterr().err
     for argv, what in ((["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], "tool calling"),
                        (["--reasoning-parser", "deepseek_r1"], "reasoning parsers"),
                        (["--lora-modules", "a=/x", "b=/y"], "LoRA adapters"), (["--root-path", "/v"], "a root path")):

@@ -348,9 +348,10 @@ def _add_serve_parser(sub) -> None:
     chat.add_argument("--chat-template", default=ServerSettings.chat_template,
                       help="the chat template for chat completions and /tokenize: a file, or the template itself "
                            "(None: the tokenizer's)")
-    chat.add_argument("--chat-template-content-format", choices=["auto", "string", "openai"], default="auto",
-                      help="how message content reaches the template: nanokv gives it as a string (text parts "
-                           "joined by newlines), which 'auto' and 'string' mean; 'openai' is refused")
+    chat.add_argument("--chat-template-content-format", choices=["auto", "string", "openai"],
+                      default=ServerSettings.chat_template_content_format,
+                      help="how message content reaches the template: a string, text parts joined by newlines "
+                           "('auto', 'string'), or OpenAI's list of {'type': 'text', 'text'} parts ('openai')")
     chat.add_argument("--trust-request-chat-template", action="store_true",
                       default=ServerSettings.trust_request_chat_template,
                       help="use a request's own chat_template (otherwise such a request gets 400)")

@@ -77,7 +77,8 @@ def serve(args) -> int:
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             access_log=not args.disable_uvicorn_access_log,
             docs=not args.disable_fastapi_docs, chat_template=chat_template,
-            trust_request_chat_template=args.trust_request_chat_template, response_role=args.response_role,
+            trust_request_chat_template=args.trust_request_chat_template,
+            chat_template_content_format=args.chat_template_content_format, response_role=args.response_role,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids, log_requests=args.log_requests,
             max_log_len=args.max_log_len, request_id_headers=args.enable_request_id_headers,
             tokenizer_info=args.enable_tokenizer_info_endpoint,
@@ -107,9 +108,6 @@ def _check_vllm_only_flags(args) -> None:
     for flag, (_, what) in REFUSED_SERVE_FLAGS.items():
         if getattr(args, flag[2:].replace("-", "_"), None) is not None:
             raise InputError(f"{flag}: nanokv's server does not support {what}; drop the flag")
-    if args.chat_template_content_format == "openai":
-        raise InputError("--chat-template-content-format openai: nanokv gives templates message content as a "
-                         "string (text parts joined by newlines); give auto or string")
 
 
 def _api_key(flag: str | None) -> tuple[str | None, str]:

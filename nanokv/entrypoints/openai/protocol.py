@@ -155,15 +155,10 @@ _UNSUPPORTED_CHAT = {
     "audio": _off(None),
     "modalities": lambda v, body: v is None or v == ["text"],
     "prediction": _off(None),
-    "chat_template_kwargs": _off(None, {}),
-    "continue_final_message": _off(None, False),
     "documents": _off(None),
     "web_search_options": _off(None),
 }
 _UNSUPPORTED_TOKENIZE = {
-    "tools": _off(None, []),
-    "chat_template_kwargs": _off(None, {}),
-    "continue_final_message": _off(None, False),
     "mm_processor_kwargs": _off(None, {}),
 }
 
@@ -201,7 +196,6 @@ def parse_chat(body: dict, settings: ServerSettings, tokenizer, limits: Limits,
     model = check_model(body, settings.model_names)
     messages = _messages(body.get("messages"))
     _check_messages_length(messages, limits)
-    template = _chat_template(body, settings)
     add_generation_prompt = _get(body, "add_generation_prompt", bool, "true or false", True)
     kwargs = _sampling_kwargs(body, defaults)
     names = {"prompt": "messages"}
@@ -221,7 +215,7 @@ def parse_chat(body: dict, settings: ServerSettings, tokenizer, limits: Limits,
     params = _sampling_params(kwargs, names)
     limits.check_max_tokens(params, names["max_tokens"])
     stream, include_usage, continuous = _stream(body)
-    prompt = _render(tokenizer, messages, template, add_generation_prompt)
+    prompt = _render(body, messages, settings, tokenizer, add_generation_prompt)
     # vLLM's rule: the configured role answers a generation prompt; without one the model
     # continues the last message, so the answer has that message's role
     role = settings.response_role if add_generation_prompt else messages[-1]["role"]
@@ -238,10 +232,12 @@ def parse_tokenize(body: dict, settings: ServerSettings, tokenizer, limits: Limi
         _check_unsupported(body, _UNSUPPORTED_TOKENIZE)
         messages = _messages(body["messages"])
         _check_messages_length(messages, limits)
-        template = _chat_template(body, settings)
         add_generation_prompt = _get(body, "add_generation_prompt", bool, "true or false", True)
         add_special = _get(body, "add_special_tokens", bool, "true or false", False)
-        text = _render(tokenizer, messages, template, add_generation_prompt)["prompt"]
+        tools = body.get("tools")  # rendered by the template only: /tokenize calls no tools
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise bad_request(f"tools must be a list of tool objects, got {_show(tools)}", "tools")
+        text = _render(body, messages, settings, tokenizer, add_generation_prompt, tools or None)["prompt"]
     else:
         text = body.get("prompt")
         if not isinstance(text, str):
@@ -300,11 +296,32 @@ def _chat_template(body: dict, settings: ServerSettings) -> str | None:
     return template
 
 
-def _render(tokenizer, messages: list[dict], template: str | None, add_generation_prompt: bool) -> dict:
+def _render(body: dict, messages: list[dict], settings: ServerSettings, tokenizer, add_generation_prompt: bool,
+            tools: list[dict] | None = None) -> dict:
+    """The conversation through the chat template with the request's template options
+    (vLLM's continue_final_message, chat_template_kwargs) and the server's
+    (--chat-template, --chat-template-content-format)."""
+    template = _chat_template(body, settings)
+    continue_final = _get(body, "continue_final_message", bool, "true or false", False)
+    kwargs = _get(body, "chat_template_kwargs", dict, "an object of template variables")
+    if settings.chat_template_content_format == "openai":  # the template reads a list of parts
+        messages = [{**m, "content": _parts(raw.get("content"))} for m, raw in zip(messages, body["messages"])]
     try:
-        return render_chat(tokenizer, messages, template, add_generation_prompt)
+        return render_chat(tokenizer, messages, template, add_generation_prompt,
+                           continue_final_message=continue_final, tools=tools, chat_template_kwargs=kwargs,
+                           content_format=settings.chat_template_content_format)
     except ValueError as e:
-        raise bad_request(str(e), "messages") from None
+        param = next((f for f in ("continue_final_message", "chat_template_kwargs") if f in str(e)), "messages")
+        raise bad_request(str(e), param) from None
+
+
+def _parts(content) -> list[dict]:
+    """Validated content (_messages) as OpenAI's text parts."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return [{"type": "text", "text": part["text"]} for part in content]
 
 
 def _tokens_as_ids(body: dict, settings: ServerSettings) -> bool:

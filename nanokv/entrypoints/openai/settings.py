@@ -52,6 +52,9 @@ class ServerSettings:
     # the chat template's text for chat completions and /tokenize (--chat-template: a file or
     # the template itself); None: the tokenizer's
     chat_template: str | None = None
+    # how message content reaches the template: a string ("auto", "string": text parts joined by
+    # newlines) or OpenAI's list of parts ("openai")
+    chat_template_content_format: str = "auto"
     trust_request_chat_template: bool = False  # whether a request's own chat_template is used (else 400)
     response_role: str = "assistant"  # the role of the answer when add_generation_prompt is true
     # logprobs name tokens "token_id:N" instead of their text (a request's own
@@ -73,6 +76,9 @@ class ServerSettings:
             check_api_key(self.api_key)
         check_allowed_hosts(self.allowed_hosts)
         check_allowed_origins(self.allowed_origins)
+        if self.chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"--chat-template-content-format must be auto, string or openai, got "
+                             f"{self.chat_template_content_format!r}")
         if not self.response_role.strip():
             raise ValueError("--response-role is empty; give a role name such as assistant")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
