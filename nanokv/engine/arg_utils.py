@@ -108,7 +108,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = _arg(True, "always on: a prompt longer than max_num_batched_tokens is "
                                         "prefilled over several steps; False is refused")
     disable_log_stats: bool = _arg(False, "no KV cache summary logged after each LLM.generate / chat and at the "
-                                   "end of nanokv generate")
+                                   "end of nanokv generate, no periodic stats line from nanokv serve")
     swap_space: float = _arg(4, "no effect: preempted requests are recomputed, never swapped to CPU memory "
                              "(GiB in vLLM)", no_effect=True)
     cpu_offload_gb: float = _arg(0, "0 only: the weights stay on the device (on the CPU they are in memory "

@@ -11,6 +11,8 @@ import asyncio
 import copy
 import dataclasses
 import logging
+import re
+import time
 
 import pytest
 
@@ -380,6 +382,36 @@ def test_tokenizer_info_endpoint(offline):
     assert off[0].status_code == 404
 
 
+def test_the_periodic_stats_line(offline, caplog):
+    from nanokv.entrypoints.openai.stats_log import StatsLog
+
+    llm, app = serve_app(offline)
+
+    async def go():
+        llm.start()
+        try:
+            stats = StatsLog(llm, 1.0)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+                done = await http.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 4,
+                                                                "ignore_eos": True})
+            with caplog.at_level(logging.DEBUG, logger="nanokv"):
+                for _ in range(3):
+                    await stats.log()
+            return done
+        finally:
+            llm.shutdown()
+
+    done = asyncio.run(asyncio.wait_for(go(), 120))
+    assert done.status_code == 200
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if "Avg prompt throughput" in r.getMessage()]
+    assert [level for level, _ in lines] == [logging.INFO, logging.INFO, logging.DEBUG]  # traffic, once after, idle
+    first = re.fullmatch(r"Avg prompt throughput: ([0-9.]+) tokens/s, Avg generation throughput: ([0-9.]+) "
+                         r"tokens/s, Running: 0 reqs, Waiting: 0 reqs, KV cache usage: 0.0%, "
+                         r"Prefix cache hit rate: 0.0%", lines[0][1])
+    assert first and float(first.group(1)) > 0 and float(first.group(2)) > 0, lines[0][1]
+    assert "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 tokens/s" in lines[1][1]
+
+
 def test_request_id_headers(offline):
     asks = [post("/v1/completions", {"prompt": "Hi", "max_tokens": 1}, {"X-Request-Id": "abc-1"}),
             post("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "stream": True}),
@@ -397,7 +429,7 @@ def test_request_id_headers(offline):
 @pytest.fixture
 def settings_of(monkeypatch):
     """settings_of(argv) -> (ServerSettings, EngineArgs) `nanokv serve argv` would run with."""
-    for name in ("NANOKV_API_KEY", "VLLM_API_KEY"):
+    for name in ("NANOKV_API_KEY", "VLLM_API_KEY", "VLLM_LOG_STATS_INTERVAL"):
         monkeypatch.delenv(name, raising=False)
     seen = []
     monkeypatch.setattr(api_server, "run_server", lambda engine_args, settings: seen.append((settings, engine_args)))
@@ -411,7 +443,7 @@ def settings_of(monkeypatch):
     return run
 
 
-def test_a_vllm_serve_command_line_parses(settings_of, tmp_path):
+def test_a_vllm_serve_command_line_parses(settings_of, tmp_path, monkeypatch, capsys):
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)
     settings, engine = settings_of([
@@ -435,10 +467,17 @@ def test_a_vllm_serve_command_line_parses(settings_of, tmp_path):
         (True, 100, False, False)
     assert settings.return_tokens_as_token_ids and settings.allow_credentials and settings.trust_request_chat_template
 
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "2.5")
     more, _ = settings_of(["org/model", "--enable-request-id-headers", "--disable-frontend-multiprocessing",
                            "--api-server-count", "1", "--chat-template-content-format", "openai",
                            "--enable-tokenizer-info-endpoint"])
     assert more.request_id_headers and more.tokenizer_info and more.chat_template_content_format == "openai"
+    assert more.log_stats_interval == 2.5
+    for bad in ("soon", "0"):
+        monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", bad)
+        assert settings_of(["org/model"]) is None
+        assert "VLLM_LOG_STATS_INTERVAL must be a" in capsys.readouterr().err
+    monkeypatch.delenv("VLLM_LOG_STATS_INTERVAL")
 
     defaults, _ = settings_of(["org/model"])
     assert defaults == ServerSettings(model_names=("org/model",))
@@ -524,9 +563,10 @@ def test_a_served_process_with_vllm_flags(model_dir, start_server, tmp_path, mon
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)
     monkeypatch.setenv("VLLM_API_KEY", "vllm-key")
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "0.2")
     quiet = start_server(model_dir, "--served-model-name", MODEL, "--uvicorn-log-level", "info",
                          "--disable-uvicorn-access-log", "--enable-log-requests", "--max-log-len", "6",
-                         "--chat-template", str(template), "--response-role", "bot")
+                         "--chat-template", str(template), "--response-role", "bot", "--disable-log-stats")
     client = openai.OpenAI(base_url=quiet.url + "/v1", api_key="vllm-key", max_retries=0, timeout=60)
     answer = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
     assert answer.choices[0].message.role == "bot"
@@ -539,6 +579,9 @@ def test_a_served_process_with_vllm_flags(model_dir, start_server, tmp_path, mon
     monkeypatch.delenv("VLLM_API_KEY")
     loud = start_server(model_dir, "--served-model-name", MODEL, "--uvicorn-log-level", "info")
     assert httpx.post(loud.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=30).is_success
+    deadline = time.monotonic() + 60  # the stats line of the interval that saw the request
+    while "Avg prompt throughput" not in loud.read_log() and time.monotonic() < deadline:
+        time.sleep(0.1)
 
     quiet.stop()
     loud.stop()
@@ -547,6 +590,10 @@ def test_a_served_process_with_vllm_flags(model_dir, start_server, tmp_path, mon
     assert "HTTP/1.1\" " not in quiet_log, quiet_log
     assert "Received request chatcmpl-" in quiet_log and "prompt: '[syste'," in quiet_log
     assert "Received request" not in loud_log
+    # the periodic stats line, off with --disable-log-stats (quiet ran longer than loud)
+    assert re.search(r"Avg prompt throughput: [1-9][0-9.]* tokens/s, Avg generation throughput: [0-9.]+ tokens/s, "
+                     r"Running: \d+ reqs, Waiting: \d+ reqs, KV cache usage: [0-9.]+%, Prefix cache hit rate", loud_log)
+    assert "Avg prompt throughput" not in quiet_log
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from nanokv.entrypoints.cli.common import EXIT_USAGE, InputError, say
 
 API_KEY_ENV = "NANOKV_API_KEY"  # the key when --api-key is not given
 VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's name for it, read after NANOKV_API_KEY
+STATS_INTERVAL_ENV = "VLLM_LOG_STATS_INTERVAL"  # vLLM's: seconds between the periodic stats lines
 _SERVER_MODULES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
 
 
@@ -81,7 +82,7 @@ def serve(args) -> int:
             chat_template_content_format=args.chat_template_content_format, response_role=args.response_role,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids, log_requests=args.log_requests,
             max_log_len=args.max_log_len, request_id_headers=args.enable_request_id_headers,
-            tokenizer_info=args.enable_tokenizer_info_endpoint,
+            tokenizer_info=args.enable_tokenizer_info_endpoint, **_stats_interval(),
             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
             ssl_cert_reqs=args.ssl_cert_reqs)
     except (ValueError, OSError) as e:
@@ -108,6 +109,17 @@ def _check_vllm_only_flags(args) -> None:
     for flag, (_, what) in REFUSED_SERVE_FLAGS.items():
         if getattr(args, flag[2:].replace("-", "_"), None) is not None:
             raise InputError(f"{flag}: nanokv's server does not support {what}; drop the flag")
+
+
+def _stats_interval() -> dict:
+    """$VLLM_LOG_STATS_INTERVAL as ServerSettings' log_stats_interval, when set."""
+    text = os.environ.get(STATS_INTERVAL_ENV)
+    if text is None:
+        return {}
+    try:
+        return {"log_stats_interval": float(text)}
+    except ValueError:
+        raise InputError(f"${STATS_INTERVAL_ENV} must be a number of seconds, got {text!r}") from None
 
 
 def _api_key(flag: str | None) -> tuple[str | None, str]:

@@ -45,6 +45,7 @@ from nanokv.entrypoints.openai.protocol import APIError, bad_request, error_body
 from nanokv.entrypoints.openai.serving import OpenAIServing, json_response
 from nanokv.entrypoints.openai.settings import ServerSettings
 from nanokv.entrypoints.openai.sites import SiteGuard
+from nanokv.entrypoints.openai.stats_log import StatsLog
 
 logger = logging.getLogger("nanokv")
 
@@ -66,7 +67,14 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         llm.start()
         logger.info("serving %s as %s on %s://%s:%d", llm.config.model, ", ".join(settings.model_names),
                     "https" if settings.ssl_certfile else "http", settings.host, settings.port)
+        stats = None
+        if not llm.config.disable_log_stats:
+            stats = asyncio.ensure_future(StatsLog(llm, settings.log_stats_interval).run())
         yield
+        if stats is not None:
+            stats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stats
         await asyncio.to_thread(llm.shutdown)
 
     docs = settings.docs

@@ -62,6 +62,9 @@ class ServerSettings:
     return_tokens_as_token_ids: bool = False
     log_requests: bool = False  # an INFO line per request: id, prompt, token ids, sampling params
     tokenizer_info: bool = False  # GET /tokenizer_info (the tokenizer's configuration, its chat template)
+    # seconds between the periodic stats lines (vLLM's default; $VLLM_LOG_STATS_INTERVAL sets
+    # it); EngineArgs.disable_log_stats turns them off (stats_log.py)
+    log_stats_interval: float = 10.0
     request_id_headers: bool = False  # responses carry X-Request-Id (the request's own, else a new one)
     # HTTPS (uvicorn's): the key and certificate files, both or neither; the CA certificates
     # and whether clients must present a certificate (ssl.CERT_NONE 0, OPTIONAL 1, REQUIRED 2)
@@ -87,6 +90,9 @@ class ServerSettings:
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"--{name.replace('_', '-')}: {path!r} is not a file")
+        if not self.log_stats_interval > 0:
+            raise ValueError(f"$VLLM_LOG_STATS_INTERVAL must be a positive number of seconds, got "
+                             f"{self.log_stats_interval}")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"--max-log-len must be >= 0, got {self.max_log_len}")
 
