@@ -230,7 +230,7 @@ def test_chat_and_complete_with_url_talk_to_a_running_server(server, llm, capsys
                                                    .outputs[0].text) + "\n"
     assert main(["chat", "--url", url, "--model-name", "no-such-model", "-q", "Hi"]) == 2
     err = capsys.readouterr().err
-    assert "HTTP 4" in err and "'no-such-model'" in err  # the server's own message
+    assert "HTTP 4" in err and "`no-such-model`" in err  # the server's own message
 
 
 def test_ctrl_c_stops_a_served_answer(server, llm, terminal):
