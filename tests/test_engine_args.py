@@ -211,3 +211,31 @@ def test_the_server_answers_to_served_model_name_when_its_flag_gives_none(model_
     finally:
         llm.shutdown()
     assert [m["id"] for m in resp.json()["data"]] == ["my-model", "alias"]
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_vllm_flags_without_a_field_parse_and_are_refused_only_when_they_ask_for_something(command):
+    """A `vllm serve` line carrying --pipeline-parallel-size 1 or --no-enable-lora runs;
+    --enable-lora or --pipeline-parallel-size 2 stops with the reason, not argparse's bare
+    'unrecognized arguments'; none of them shows in --help."""
+    from nanokv.entrypoints.cli.common import InputError
+
+    parser = build_parser()
+    io = ["--input", "i.jsonl", "--output", "o.jsonl"] if command == "generate" else []
+    off = ["--pipeline-parallel-size", "1", "--data-parallel-size", "1", "--no-enable-lora",
+           "--scheduling-policy", "fcfs", "--max-parallel-loading-workers", "4", "--disable-custom-all-reduce",
+           "--logits-processors", "--limit-mm-per-prompt", "{}"]
+    args = parser.parse_args([command, "m", *io, *off])
+    assert engine_args_from_cli(args, Rank()).model == "m"
+    for on, reason in ((["--pipeline-parallel-size", "2"], "pipeline parallelism"),
+                       (["--enable-lora"], "LoRA"), (["--max-loras", "2"], None),
+                       (["--speculative-config", '{"method": "ngram"}'], "speculative decoding"),
+                       (["--scheduling-policy", "priority"], "first come"), (["--headless"], "headless")):
+        args = parser.parse_args([command, "m", *io, *on])
+        if reason is None:  # no effect (LoRA is refused by --enable-lora itself)
+            engine_args_from_cli(args, Rank())
+            continue
+        with pytest.raises(InputError, match=reason):
+            engine_args_from_cli(args, Rank())
+    help = parser.commands[command].format_help()
+    assert "--pipeline-parallel-size" not in help and "--enable-lora" not in help

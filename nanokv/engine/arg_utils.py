@@ -12,7 +12,7 @@ import difflib
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from nanokv.config import EngineConfig
@@ -171,8 +171,29 @@ class EngineArgs:
                 parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=help,
                                     metavar="JSON" if kind is _json else f.name.upper())
 
+        # vLLM's flags for what nanokv has no field for: parsed (hidden from --help) so that a
+        # `vllm serve` command line carrying them gets the reason, not argparse's bare
+        # "unrecognized arguments"; from_cli_args checks them as from_kwargs does
+        for name, kind in _VLLM_ONLY_FLAGS.items():
+            if name in exclude:
+                continue
+            if kind is bool:
+                parser.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction,
+                                    default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+            elif kind is list:
+                parser.add_argument(_flag(name), dest=name, nargs="*", default=argparse.SUPPRESS,
+                                    help=argparse.SUPPRESS)
+            else:
+                parser.add_argument(_flag(name), dest=name, type=kind, default=argparse.SUPPRESS,
+                                    help=argparse.SUPPRESS)
+
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides) -> EngineArgs:
+        """The flags as EngineArgs; vLLM's flags without a field here (given on the command
+        line) are checked: refused with the reason unless they ask for nothing."""
+        for name in _VLLM_ONLY_FLAGS:
+            if hasattr(args, name):
+                _check_vllm_only(name, getattr(args, name))
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         return cls(**{**values, **overrides})
 
@@ -268,6 +289,28 @@ _VLLM_ONLY: dict[str, tuple[tuple | None, str]] = {
     "use_tqdm_on_load": (None, "loading shows no progress bar"),
     "disable_custom_all_reduce": (None, "tensor parallelism uses torch.distributed's all-reduce"),
     "disable_async_output_proc": (None, "outputs are processed after each step"),
+    "max_loras": (None, "LoRA adapters are not supported by nanokv"),
+    "max_lora_rank": (None, "LoRA adapters are not supported by nanokv"),
+    "max_cpu_loras": (None, "LoRA adapters are not supported by nanokv"),
+    "max_parallel_loading_workers": (None, "the weights load in one pass"),
+    "otlp_traces_endpoint": (None, "OpenTelemetry tracing is not supported by nanokv; /metrics has vLLM's "
+                             "metrics"),
+    "headless": ((False,), "nanokv runs one engine with its API server; there is no headless mode"),
+}
+
+
+# Their flags (`vllm serve --pipeline-parallel-size 1 ...`) and each one's value type (bool:
+# --x / --no-x; list: several values; _json: a JSON value as vLLM takes it).
+_VLLM_ONLY_FLAGS: dict[str, Any] = {
+    "enable_lora": bool, "max_loras": int, "max_lora_rank": int, "max_cpu_loras": int,
+    "speculative_config": _json, "pipeline_parallel_size": int, "data_parallel_size": int,
+    "kv_transfer_config": _json, "enable_sleep_mode": bool, "limit_mm_per_prompt": _json,
+    "pooler_config": _json, "override_pooler_config": _json, "mm_processor_kwargs": _json,
+    "allowed_local_media_path": str, "logits_processors": list, "scheduling_policy": str,
+    "enable_expert_parallel": bool, "calculate_kv_scales": bool, "skip_tokenizer_init": bool,
+    "hf_token": str, "model_impl": str, "async_scheduling": bool, "structured_outputs_config": _json,
+    "use_tqdm_on_load": bool, "disable_custom_all_reduce": bool, "disable_async_output_proc": bool,
+    "max_parallel_loading_workers": int, "otlp_traces_endpoint": str, "headless": bool,
 }
 
 

@@ -45,7 +45,10 @@ def engine_args_from_cli(args, rank: Rank) -> EngineArgs:
     device = args.device
     if rank.world_size > 1 and device in ("auto", "cuda"):
         device = f"cuda:{rank.local_rank}" if _cuda_available() else "cpu"
-    return EngineArgs.from_cli_args(args, model=model_from_args(args), device=device)
+    try:
+        return EngineArgs.from_cli_args(args, model=model_from_args(args), device=device)
+    except ValueError as e:  # a vLLM flag asking for what nanokv does not do
+        raise InputError(str(e)) from None
 
 
 def _cuda_available() -> bool:
