@@ -15,7 +15,10 @@ import pytest
 from nanokv import LLM, SamplingParams
 from nanokv.entrypoints.cli import main
 from nanokv.entrypoints.openai.protocol import APIError, Limits, parse_chat, parse_completion
+from nanokv.entrypoints.openai.settings import ServerSettings
 from nanokv.llm import render_chat
+
+SETTINGS = ServerSettings(model_names=("m",))  # the server settings the parsers read (the model names)
 
 SMALL = dict(kv_cache_memory_bytes=64 << 20, max_model_len=256)
 SAMPLED = {"temperature": 0.6, "top_k": 20, "top_p": 0.9, "repetition_penalty": 1.1, "max_new_tokens": 7,
@@ -88,26 +91,26 @@ def test_bad_generation_configs_are_refused(with_generation_config, model_dir, t
 def test_the_server_fills_only_the_fields_a_request_leaves_unset(sampled_llm):
     defaults = sampled_llm.llm_engine.config.default_sampling_params
     limits = Limits.of(sampled_llm.get_tokenizer(), 256)
-    unset = parse_completion({"prompt": "Hi"}, ["m"], limits, defaults).params
+    unset = parse_completion({"prompt": "Hi"}, SETTINGS, limits, defaults).params
     assert (unset.temperature, unset.top_k, unset.top_p, unset.repetition_penalty, unset.max_tokens) == \
         (0.6, 20, 0.9, 1.1, 7)
-    given = parse_completion({"prompt": "Hi", "temperature": 0, "max_tokens": 3, "top_k": None}, ["m"], limits,
+    given = parse_completion({"prompt": "Hi", "temperature": 0, "max_tokens": 3, "top_k": None}, SETTINGS, limits,
                              defaults).params
     assert (given.temperature, given.top_k, given.max_tokens) == (0, 20, 3)  # null counts as unset
-    assert parse_completion({"prompt": "Hi"}, ["m"], limits).params.max_tokens == 16  # no defaults: OpenAI's
+    assert parse_completion({"prompt": "Hi"}, SETTINGS, limits).params.max_tokens == 16  # no defaults: OpenAI's
     chat = {"messages": [{"role": "user", "content": "Hi"}]}
-    params = parse_chat(chat, ["m"], sampled_llm.get_tokenizer(), limits, defaults).params
+    params = parse_chat(chat, SETTINGS, sampled_llm.get_tokenizer(), limits, defaults).params
     assert (params.temperature, params.max_tokens) == (0.6, 7)
-    params = parse_chat({**chat, "max_completion_tokens": 2, "temperature": 1.5}, ["m"],
+    params = parse_chat({**chat, "max_completion_tokens": 2, "temperature": 1.5}, SETTINGS,
                         sampled_llm.get_tokenizer(), limits, defaults).params
     assert (params.temperature, params.top_p, params.max_tokens) == (1.5, 0.9, 2)
-    assert parse_chat(chat, ["m"], sampled_llm.get_tokenizer(), limits).params.max_tokens is None
+    assert parse_chat(chat, SETTINGS, sampled_llm.get_tokenizer(), limits).params.max_tokens is None
     # a default above max_model_len is no request for that many (an explicit one is a 400)
     big = {**defaults, "max_tokens": 5000}
-    assert parse_completion({"prompt": "Hi"}, ["m"], limits, big).params.max_tokens == 256
-    assert parse_chat(chat, ["m"], sampled_llm.get_tokenizer(), limits, big).params.max_tokens == 256
+    assert parse_completion({"prompt": "Hi"}, SETTINGS, limits, big).params.max_tokens == 256
+    assert parse_chat(chat, SETTINGS, sampled_llm.get_tokenizer(), limits, big).params.max_tokens == 256
     with pytest.raises(APIError, match="more than max_model_len"):
-        parse_completion({"prompt": "Hi", "max_tokens": 5000}, ["m"], limits, defaults)
+        parse_completion({"prompt": "Hi", "max_tokens": 5000}, SETTINGS, limits, defaults)
 
 
 def test_the_server_app_applies_the_defaults_and_logs_them(sampled_llm, caplog):
