@@ -92,6 +92,18 @@ class Terminal:
                 raise AssertionError(f"nothing more within {timeout}s; the terminal shows:\n{self.seen}")
             self._read(deadline)
 
+    def interrupt(self) -> str:
+        """Press Ctrl-C while the program is held still (SIGSTOP; the tty's SIGINT waits
+        until SIGCONT), so a busy machine cannot let the answer run to its end before the
+        key lands. Returns what it had printed when it was stopped."""
+        os.kill(self.pid, signal.SIGSTOP)
+        while select.select([self.fd], [], [], 0.2)[0]:  # what it wrote before it stopped
+            self._read(time.monotonic() + 0.2)
+        printed = self.seen
+        self.type("\x03")
+        os.kill(self.pid, signal.SIGCONT)
+        return printed
+
     def wait(self, timeout: float = TIMEOUT_S) -> int:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -160,8 +172,7 @@ def test_ctrl_c_stops_the_answer_not_the_program_and_ctrl_d_leaves(model_dir, ll
     t.type("Hello there\n")
     pos = t.expect("Hello there\n", pos)
     t.expect_more(pos + 1)  # the answer streams
-    before = t.seen[pos:]
-    t.type("\x03")
+    before = t.interrupt()[pos:]
     end = t.expect("(stopped)\n> ", pos)
     full = answer(llm, [{"role": "user", "content": "Hello there"}],
                   SamplingParams(temperature=0, ignore_eos=True, max_tokens=MAX_MODEL_LEN))
@@ -239,8 +250,7 @@ def test_ctrl_c_stops_a_served_answer(server, llm, terminal):
     t.type("Hello there\n")
     pos = t.expect("Hello there\n", pos)
     t.expect_more(pos + 1)
-    before = t.seen[pos:]
-    t.type("\x03")
+    before = t.interrupt()[pos:]
     end = t.expect("(stopped)\n> ", pos)
     full = answer(llm, [{"role": "user", "content": "Hello there"}],
                   SamplingParams(temperature=0, ignore_eos=True, max_tokens=MAX_MODEL_LEN))
