@@ -111,7 +111,7 @@ def create_engine_config(args) -> EngineConfig:
     if seed is None:  # vLLM's meaning: not reproducible from run to run
         seed = int.from_bytes(os.urandom(8), "little") >> 1
     _check_int("seed", seed, -(2**63))
-    _check_int("max_logprobs", args.max_logprobs, 0)
+    _check_int("max_logprobs", args.max_logprobs, -1)  # -1: no limit (vLLM's meaning)
     _check_bool("enable_prefix_caching", args.enable_prefix_caching)
     _check_bool("enforce_eager", args.enforce_eager)
     if (isinstance(args.gpu_memory_utilization, bool) or not isinstance(args.gpu_memory_utilization, (int, float))

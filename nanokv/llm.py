@@ -14,7 +14,7 @@ from nanokv.engine.stats import KVStats
 from nanokv.llm_engine import LLMEngine, PromptType, check_text, check_vllm_extras
 from nanokv.outputs import RequestOutput
 from nanokv.sampling_params import SamplingParams
-from nanokv.unsupported import BEAM_SEARCH, MULTIMODAL, POOLING
+from nanokv.unsupported import BEAM_SEARCH, MULTIMODAL, POOLING, SLEEP_MODE
 
 logger = logging.getLogger("nanokv")
 
@@ -36,9 +36,12 @@ class LLM:
         """model: a Hugging Face model directory, a .gguf file (or a directory holding
         one), or a built-in name ("smollm2"). kwargs: engine arguments (EngineArgs: dtype,
         device, max_model_len, max_num_seqs, ...; vLLM's names such as block_size work too);
-        an unknown name raises ValueError suggesting the closest one."""
+        an unknown name raises ValueError suggesting the closest one. disable_log_stats
+        defaults to True here, as in vLLM's LLM (EngineArgs' default is False)."""
+        kwargs.setdefault("disable_log_stats", True)  # vLLM's LLM default: no statistics lines
         args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine(args.create_engine_config())
+        self.model_config = self.llm_engine.model_config  # vLLM's ModelConfig view (nanokv.vllm_config)
         self._lock = self.llm_engine.lock
 
     def get_tokenizer(self):
@@ -71,6 +74,36 @@ class LLM:
 
     def beam_search(self, *args, **kwargs):
         raise NotImplementedError(f"LLM.beam_search: {BEAM_SEARCH}")
+
+    def sleep(self, level: int = 1) -> None:
+        raise NotImplementedError(f"LLM.sleep: {SLEEP_MODE}")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        raise NotImplementedError(f"LLM.wake_up: {SLEEP_MODE}")
+
+    def start_profile(self) -> None:
+        """Start torch.profiler over this process's steps (vLLM's; the trace goes to the
+        directory in VLLM_TORCH_PROFILER_DIR or NANOKV_TORCH_PROFILER_DIR when stop_profile()
+        is called). With tensor_parallel_size > 1 only rank 0 (this process) is traced."""
+        self.llm_engine.start_profile()
+
+    def stop_profile(self) -> None:
+        """Stop the profiler and write its trace (a TensorBoard / Perfetto .pt.trace.json.gz)."""
+        self.llm_engine.stop_profile()
+
+    def apply_model(self, func: Callable) -> list:
+        """vLLM's: func(model) on the model (the torch.nn.Module), one result per rank; with
+        tensor_parallel_size > 1 refused (the other ranks live in worker processes)."""
+        return self.collective_rpc(lambda runner: func(runner.model))
+
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """vLLM's: call method on every worker and return their results, one per rank. The
+        worker here is nanokv's ModelRunner (its .model, .config; its methods are not vLLM
+        Worker's): a callable gets it as first argument, a string names one of its methods.
+        Runs between two steps. With tensor_parallel_size > 1 refused (the other ranks live
+        in worker processes). timeout has no effect."""
+        return self.llm_engine.collective_rpc(method, args, kwargs or {})
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The SamplingParams generate(), chat() and stream() use when given none: the

@@ -8,6 +8,7 @@ strings, streaming deltas, logprobs).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import operator
@@ -31,6 +32,7 @@ from nanokv.output_processor import OutputProcessor, RequestState, accumulate
 from nanokv.outputs import RequestMetrics, RequestOutput
 from nanokv.sampling_params import RequestOutputKind, SamplingParams
 from nanokv.unsupported import LORA, MULTIMODAL
+from nanokv.vllm_config import ModelConfig, VllmConfig, vllm_config_of
 
 logger = logging.getLogger("nanokv")
 
@@ -89,6 +91,63 @@ class LLMEngine:
             "gpu_memory_utilization": str(config.gpu_memory_utilization),
             "kv_cache_memory_bytes": str(config.kv_cache_memory_bytes)})
         self._prefilling: dict[str, RequestState] = {}  # scheduled, no token yet (for their first-token time)
+        # vLLM's config objects, read-only views of config (model_config.max_model_len, ...)
+        self.vllm_config = vllm_config_of(config, self.executor.num_blocks)
+        self._profiler = None  # torch.profiler between start_profile() and stop_profile()
+        self.model_config, self.cache_config = self.vllm_config.model_config, self.vllm_config.cache_config
+
+    def get_model_config(self) -> ModelConfig:
+        """vLLM's ModelConfig view: model, max_model_len, dtype, hf_config, get_vocab_size(), ..."""
+        return self.model_config
+
+    def get_vllm_config(self) -> VllmConfig:
+        return self.vllm_config
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """method(runner, *args, **kwargs) (a callable) or runner.method(*args, **kwargs) (a
+        name) on the model runner, between two steps: [its result] (vLLM's one per rank)."""
+        if self.config.tensor_parallel_size != 1:
+            raise NotImplementedError(f"collective_rpc / apply_model reach the model in this process only; with "
+                                      f"tensor_parallel_size={self.config.tensor_parallel_size} the other ranks run "
+                                      "in worker processes: use tensor_parallel_size=1")
+        if isinstance(method, str):
+            if method.startswith("_") or not callable(getattr(self.runner, method, None)):
+                raise ValueError(f"the model runner has no method {method!r}; pass a callable taking it, e.g. "
+                                 "collective_rpc(lambda runner: runner.model)")
+            function = getattr(self.runner, method)
+        elif callable(method):
+            function = functools.partial(method, self.runner)
+        else:
+            raise ValueError(f"method must be a name or a callable, got {type(method).__name__}")
+        with self.lock:
+            self._check_open()
+            return [function(*args, **(kwargs or {}))]
+
+    def start_profile(self) -> None:
+        """torch.profiler over this process from now (see LLM.start_profile)."""
+        import torch
+
+        directory = os.environ.get("NANOKV_TORCH_PROFILER_DIR") or os.environ.get("VLLM_TORCH_PROFILER_DIR")
+        if not directory:
+            raise RuntimeError("the profiler is not enabled: set VLLM_TORCH_PROFILER_DIR (or "
+                               "NANOKV_TORCH_PROFILER_DIR) to the directory for its traces")
+        with self.lock:
+            if self._profiler is not None:
+                raise RuntimeError("the profiler is already running; call stop_profile() first")
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.config.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            handler = torch.profiler.tensorboard_trace_handler(os.path.abspath(directory), use_gzip=True)
+            self._profiler = torch.profiler.profile(activities=activities, on_trace_ready=handler)
+            self._profiler.start()
+
+    def stop_profile(self) -> None:
+        """Stop the profiler and write its trace into the profiler directory."""
+        with self.lock:
+            if self._profiler is None:
+                raise RuntimeError("the profiler is not running; call start_profile() first")
+            profiler, self._profiler = self._profiler, None
+            profiler.stop()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation config defaults (EngineArgs.

@@ -12,7 +12,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanokv.unsupported import missing
+from nanokv.unsupported import BEAM_SEARCH, missing
 
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS): logits divided by a
 # tinier one overflow to inf and the softmax to NaN.
@@ -46,6 +46,8 @@ _NOT_YET = {
     "logit_bias": "logit bias", "allowed_token_ids": "allowed token lists", "bad_words": "bad word lists",
     "prompt_logprobs": "prompt logprobs", "logits_processors": "custom logits processors",
 }
+# vLLM V0's beam-search fields and their "off" values
+_BEAM_SEARCH_OFF = {"use_beam_search": (None, False), "length_penalty": (None, 1.0), "early_stopping": (None, False)}
 # Fields where None is a value of its own; from_optional keeps None there.
 _NONE_IS_A_VALUE = ("seed", "max_tokens", "stop", "stop_token_ids", "logprobs", "truncate_prompt_tokens",
                     "extra_args")
@@ -199,6 +201,9 @@ def _known_fields(num_positional: int, kwargs: dict) -> dict:
         elif key in _NOT_YET:
             if value is not None:
                 raise ValueError(f"{key} is not supported yet by nanokv ({_NOT_YET[key]}); remove it")
+        elif key in _BEAM_SEARCH_OFF:  # vLLM V0's beam-search fields: accepted while off
+            if value not in _BEAM_SEARCH_OFF[key]:
+                raise ValueError(f"{key}={value!r}: {BEAM_SEARCH}")
         elif key == "best_of":  # vLLM V1 dropped it too
             if value is not None and value != kwargs.get("n", 1):
                 raise ValueError(f"best_of={value!r} is not supported by nanokv (nor by vLLM V1); use n "

@@ -18,6 +18,8 @@ BEAM_SEARCH = ("beam search is not supported by nanokv; use SamplingParams(tempe
                "decoding, or n=... samples and pick the best")
 STRUCTURED = "structured outputs (guided decoding) are not supported yet by nanokv"
 MULTIMODAL = "multi-modal inputs are not supported by nanokv; send text or token ids"
+SLEEP_MODE = ("sleep mode (sleep / wake_up) is not supported by nanokv; close() frees the KV pool and the "
+              "weights, and a new LLM loads them again")
 
 # name -> why; the names vLLM's top-level package and its modules export
 NAMES = {

@@ -79,7 +79,7 @@ def test_add_cli_args_round_trips_every_field():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(enforce_eager="yes"), "enforce_eager"), (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(max_num_seqs=0), "max_num_seqs"), (dict(attention_backend=3), "attention_backend"),
-    (dict(seed=1.5), "seed"), (dict(max_logprobs=-1), "max_logprobs"),
+    (dict(seed=1.5), "seed"), (dict(max_logprobs=-2), "max_logprobs"),
 ])
 def test_bad_engine_values(model_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -167,9 +167,10 @@ def test_a_separate_tokenizer_is_loaded_and_must_fit_the_vocabulary(checkpoint, 
         LLM(small, tokenizer=model_dir, **SMALL)
 
 
-def test_disable_log_stats_drops_the_kv_summary_line(llm, model_dir, caplog):
-    quiet = LLM(model_dir, disable_log_stats=True, **SMALL)
-    for engine, expected in ((llm, 1), (quiet, 0)):
+def test_disable_log_stats_drops_the_kv_summary_line(model_dir, caplog):
+    # LLM(...) defaults to disable_log_stats=True, as vLLM's LLM does
+    loud, quiet = LLM(model_dir, disable_log_stats=False, **SMALL), LLM(model_dir, **SMALL)
+    for engine, expected in ((loud, 1), (quiet, 0)):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="nanokv"):
             engine.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)

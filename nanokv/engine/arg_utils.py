@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -61,7 +62,7 @@ class EngineArgs:
                             "(None: a random seed, not reproducible)")
     attention_backend: str = _arg("auto", "'auto', 'cpu' (the C kernels), 'torch', 'triton' or 'flash_attn'")
     tensor_parallel_size: int = _arg(1, "shard the model over N ranks (GPUs, or CPU processes with gloo)")
-    max_logprobs: int = _arg(20, "the most logprobs a request may ask for")
+    max_logprobs: int = _arg(20, "the most logprobs a request may ask for (-1: no limit but the vocabulary)")
     quantization: str | None = _arg(None, "'int8': int8 weights with per-output-channel scales computed at load "
                                     "from any checkpoint, on the CPU kernels (with VNNI: int8 dot products, the "
                                     "activations quantized per 32 values in each GEMM; without: the int8 weights "
@@ -107,8 +108,9 @@ class EngineArgs:
     runner: str = _arg("auto", "'auto' or 'generate'; 'pooling' is not supported")
     enable_chunked_prefill: bool = _arg(True, "always on: a prompt longer than max_num_batched_tokens is "
                                         "prefilled over several steps; False is refused")
-    disable_log_stats: bool = _arg(False, "no KV cache summary logged after each LLM.generate / chat and at the "
-                                   "end of nanokv generate, no periodic stats line from nanokv serve")
+    disable_log_stats: bool = _arg(False, "no KV cache summary logged after each LLM.generate / chat (LLM(...) "
+                                   "defaults to True, as vLLM's does) and at the end of nanokv generate, no "
+                                   "periodic stats line from nanokv serve")
     swap_space: float = _arg(4, "no effect: preempted requests are recomputed, never swapped to CPU memory "
                              "(GiB in vLLM)", no_effect=True)
     cpu_offload_gb: float = _arg(0, "0 only: the weights stay on the device (on the CPU they are in memory "
@@ -134,30 +136,19 @@ class EngineArgs:
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
-        """Keyword arguments (aliases included) -> EngineArgs; an unknown name raises
-        ValueError suggesting a really close one, and a field given twice (under two names)
-        too. vLLM arguments nanokv has no field for (_VLLM_ONLY) are accepted when they ask
-        for nothing, and refused with the reason otherwise."""
-        names, values, given_as = cls.names(), {}, {}
-        for key, value in kwargs.items():
-            if key in _VLLM_ONLY and key not in names:
-                _check_vllm_only(key, value)
-                continue
-            if key not in names:
-                raise ValueError(f"unknown engine argument {key!r}{_suggestion(key, names)}")
-            name = names[key]
-            if name in values:
-                raise ValueError(f"engine argument {name!r} is given twice, as {given_as[name]!r} and "
-                                 f"{key!r}; give it once")
-            values[name], given_as[name] = value, key
-        return cls(**values)
+        """Keyword arguments (aliases included) -> EngineArgs, as EngineArgs(**kwargs) itself:
+        an unknown name raises ValueError suggesting a really close one, and a field given
+        twice (under two names) too. vLLM arguments nanokv has no field for (_VLLM_ONLY) are
+        accepted when they ask for nothing, and refused with the reason otherwise."""
+        return cls(**kwargs)  # __init__ takes every name (_fields_of)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-                     exclude: tuple[str, ...] = ()) -> None:
+                     exclude: tuple[str, ...] = ()):
         """One flag per field (--max-model-len, ...; aliases as --block-size, ...); give the
         parser argparse.ArgumentDefaultsHelpFormatter and the help shows every default.
-        Dict-valued fields (--hf-overrides) take JSON."""
+        Dict-valued fields (--hf-overrides) take JSON. Returns the parser (vLLM's
+        `parser = EngineArgs.add_cli_args(parser)`)."""
         for f in dataclasses.fields(cls):
             if f.name in exclude or not f.metadata["flag"]:
                 continue
@@ -170,6 +161,7 @@ class EngineArgs:
             else:
                 parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=help,
                                     metavar="JSON" if kind is _json else f.name.upper())
+        return parser
 
         # vLLM's flags for what nanokv has no field for: parsed (hidden from --help) so that a
         # `vllm serve` command line carrying them gets the reason, not argparse's bare
@@ -203,6 +195,38 @@ class EngineArgs:
         from nanokv.config import create_engine_config
 
         return create_engine_config(self)
+
+
+_dataclass_init = EngineArgs.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self, *args, **kwargs) -> None:
+    # the dataclass __init__ raises a bare TypeError on a name it lacks: vLLM's names (aliases,
+    # _VLLM_ONLY) are mapped or refused with the reason, others get a close-name hint
+    _dataclass_init(self, *args, **_fields_of(kwargs))
+
+
+EngineArgs.__init__ = _init
+# vLLM's engine-argument class for its async engine; nanokv's AsyncLLM takes the same arguments
+AsyncEngineArgs = EngineArgs
+
+
+def _fields_of(kwargs: dict) -> dict:
+    """EngineArgs keyword arguments -> field values (see EngineArgs.from_kwargs)."""
+    names, values, given_as = EngineArgs.names(), {}, {}
+    for key, value in kwargs.items():
+        if key in _VLLM_ONLY and key not in names:
+            _check_vllm_only(key, value)
+            continue
+        if key not in names:
+            raise ValueError(f"unknown engine argument {key!r}{_suggestion(key, names)}")
+        name = names[key]
+        if name in values:
+            raise ValueError(f"engine argument {name!r} is given twice, as {given_as[name]!r} and "
+                             f"{key!r}; give it once")
+        values[name], given_as[name] = value, key
+    return values
 
 
 def _flag(name: str) -> str:
