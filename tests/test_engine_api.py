@@ -66,7 +66,7 @@ def test_stats_add_up_after_every_step_and_nothing_leaks(model_dir):
 
 
 def test_generate_logs_stats_and_bar_shows_kv(model_dir, caplog, capsys):
-    llm = LLM(model_dir)
+    llm = LLM(model_dir, disable_log_stats=False)  # LLM's default, as vLLM's, is True
     with caplog.at_level(logging.INFO, logger="nanokv"):
         llm.generate(random_prompts([20, 30], 1024), GREEDY, use_tqdm=True)
     assert any("prefix cache hit" in r.getMessage() for r in caplog.records)
