@@ -186,6 +186,43 @@ class AsyncLLM:
     def dead_reason(self) -> str | None:
         return self._dead
 
+    # vLLM's engine-client names (vllm.v1.engine.async_llm.AsyncLLM)
+    @property
+    def model_config(self):
+        """vLLM's ModelConfig view of the engine (nanokv.vllm_config)."""
+        return self.engine.model_config
+
+    @property
+    def vllm_config(self):
+        return self.engine.vllm_config
+
+    async def get_model_config(self):
+        return self.engine.model_config
+
+    async def get_vllm_config(self):
+        return self.engine.vllm_config
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)  # nanokv generates text only
+
+    @property
+    def errored(self) -> bool:
+        """Whether the engine has stopped (failed or shut down); requests then fail."""
+        return self._dead is not None
+
+    @property
+    def is_running(self) -> bool:
+        return not self.errored
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        return EngineDeadError(self._dead or "the engine is running")
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError when the engine has stopped (vLLM's health check)."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
     def drain(self, timeout: float) -> None:
         """Begin a graceful shutdown (on the event loop): refuse new requests, and abort
         those still unfinished after `timeout` seconds (their streams then raise

@@ -610,7 +610,11 @@ def check_text(text: str, what: str) -> None:
 
 
 def _token_ids(values) -> list[int]:
-    """A prompt's token ids as ints (numpy and torch integer scalars are fine)."""
+    """A prompt's token ids as ints (numpy and torch integer scalars are fine); the
+    tokenizer's own output (a BatchEncoding, which apply_chat_template(tokenize=True)
+    returns in transformers 5) gives its input_ids."""
+    if hasattr(values, "keys") and "input_ids" in values:
+        values = values["input_ids"]
     if not isinstance(values, (list, tuple)):
         raise ValueError(f"prompt_token_ids must be a list of ints, got {type(values).__name__}")
     ids = []

@@ -149,3 +149,45 @@ def test_llm_logs_no_kv_summary_by_default(llm, caplog):
     with caplog.at_level(logging.INFO, logger="nanokv"):
         llm.generate("Hello", GREEDY, use_tqdm=False)
     assert not any("KV cache:" in r.getMessage() for r in caplog.records)
+
+
+def test_prompt_token_ids_may_be_the_tokenizers_batch_encoding(llm):
+    tokenizer = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "Hi"}]
+    encoded = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)
+    assert not isinstance(encoded, list)  # a BatchEncoding (also what apply_chat_template(tokenize=True) gives)
+    (out,) = llm.generate({"prompt_token_ids": encoded}, GREEDY, use_tqdm=False)
+    (ref,) = llm.generate({"prompt_token_ids": list(encoded.input_ids)}, GREEDY, use_tqdm=False)
+    assert out.prompt_token_ids == ref.prompt_token_ids and out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_async_llm_has_vllms_engine_client_names(model_dir):
+    import asyncio
+
+    from nanokv.engine.types import EngineDeadError
+    from nanokv.v1.engine.async_llm import AsyncLLM
+    from nanokv.v1.engine.llm_engine import LLMEngine
+
+    from nanokv import AsyncLLMEngine, LLMEngine as TopLLMEngine
+
+    assert AsyncLLM is AsyncLLMEngine and LLMEngine is TopLLMEngine
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=model_dir, max_model_len=64, kv_cache_memory_bytes=1 << 20))
+
+    async def main():
+        assert engine.model_config is engine.engine.model_config and engine.vllm_config is engine.engine.vllm_config
+        assert (await engine.get_model_config()).max_model_len == 64
+        assert (await engine.get_vllm_config()).cache_config.block_size == 16
+        assert await engine.get_supported_tasks() == ("generate",)
+        async for _ in engine.generate([5, 6, 7], GREEDY, "r"):
+            pass
+        await engine.check_health()
+        assert engine.is_running and not engine.errored
+        engine.shutdown()
+        assert engine.errored and not engine.is_running and isinstance(engine.dead_error, EngineDeadError)
+        try:
+            await engine.check_health()
+        except EngineDeadError:
+            return True
+        return False
+
+    assert asyncio.run(main())

@@ -13,6 +13,7 @@ the tally (pytest -s shows it).
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import os
@@ -60,6 +61,25 @@ class Harness:
         self.results.append((name, expect, OK if expect == OK else "failed",
                              "" if expect == OK else f"no error (expected one naming {names!r})"))
         return value
+
+    async def acall(self, name: str, fn, check=None, **kwargs):
+        """call() for a coroutine: fn() returns an awaitable, awaited here."""
+        holder = []
+
+        async def run():
+            holder.append(await fn())
+
+        try:
+            await run()
+        except Exception as e:  # noqa: BLE001 - recorded through call()
+            error = e
+
+            def value():
+                raise error
+        else:
+            def value():
+                return holder[0]
+        return self.call(name, value, check, **kwargs)
 
     def tally(self) -> dict[str, int]:
         got = [r[2] for r in self.results]
@@ -136,6 +156,9 @@ def run_script(h: Harness, tmp_path) -> None:  # noqa: PLR0915 - a script, call 
     c("from vllm.v1.metrics.reader import Counter, Gauge, Histogram, Vector",
       lambda: imp("from nanokv.v1.metrics.reader import Counter, Gauge, Histogram, Vector"))
     c("from vllm.logprobs import Logprob", lambda: imp("from nanokv.logprobs import Logprob"))
+    c("from vllm.v1.engine.async_llm import AsyncLLM", lambda: imp("from nanokv.v1.engine.async_llm import AsyncLLM"))
+    c("from vllm.v1.engine.llm_engine import LLMEngine",
+      lambda: imp("from nanokv.v1.engine.llm_engine import LLMEngine as V1LLMEngine"))
     c("vllm.__version__", lambda: imp("import nanokv; assert isinstance(nanokv.__version__, str)"))
     c("from vllm.lora.request import LoRARequest", lambda: imp("from nanokv.lora.request import LoRARequest"),
       expect=REFUSED, names=LORA)
@@ -399,6 +422,10 @@ def run_script(h: Harness, tmp_path) -> None:  # noqa: PLR0915 - a script, call 
     c("llm.generate(the rendered chat text) matches llm.chat", lambda: llm.generate(
         TokensPrompt(prompt_token_ids=tokenizer.encode(text, add_special_tokens=False)), chat_params,
         use_tqdm=False), same_chat)
+    c("TokensPrompt(prompt_token_ids=tokenizer.apply_chat_template(..., tokenize=True))", lambda: llm.generate(
+        TokensPrompt(prompt_token_ids=tokenizer.apply_chat_template(CONVERSATION, tokenize=True,
+                                                                    add_generation_prompt=True)),
+        chat_params, use_tqdm=False), same_chat)
     c("llm.set_tokenizer(tokenizer)", lambda: llm.set_tokenizer(tokenizer))
     c("llm.llm_engine.get_tokenizer()", lambda: engine.get_tokenizer(), lambda v: _true(v is tokenizer))
     c("llm.llm_engine.tokenizer", lambda: engine.tokenizer, lambda v: _true(v is not None))
@@ -494,6 +521,9 @@ def run_script(h: Harness, tmp_path) -> None:  # noqa: PLR0915 - a script, call 
       lambda v: _true(v["max_model_len"] == 1024))
     c("dataclasses.replace(engine_args, seed=1)", lambda: dataclasses.replace(engine_args, seed=1),
       lambda v: _true(v.seed == 1))
+    c("EngineArgs(dtype='half', max_logprobs=-1).create_engine_config()", lambda: EngineArgs(
+        model="smollm2", dtype="half", max_logprobs=-1, **SMALL).create_engine_config(),
+      lambda v: _true(v.max_logprobs == -1 and str(v.dtype) == "torch.float16"))
     c("AsyncEngineArgs(model=...)", lambda: ns["AsyncEngineArgs"](model="smollm2", max_model_len=1024),
       lambda v: _true(v.max_model_len == 1024))
     parser = c("parser = EngineArgs.add_cli_args(FlexibleArgumentParser())",
@@ -567,6 +597,74 @@ def run_script(h: Harness, tmp_path) -> None:  # noqa: PLR0915 - a script, call 
 
     # ---- LLM from EngineArgs (vision examples: LLM(**asdict(engine_args))) ----------------------
     c("LLM(**dataclasses.asdict(engine_args)) argument check", lambda: _asdict_kwargs_accepted(engine_args))
+    eng.close()
+
+    # ---- AsyncLLM (async_llm_streaming.py) ----------------------------------------------------
+    asyncio.run(async_section(h, ref[0].outputs[0].text))
+
+
+async def async_section(h: Harness, greedy_text: str) -> None:
+    ns, c, ac = h.ns, h.call, h.acall
+    SamplingParams, RequestOutputKind = ns["SamplingParams"], ns["RequestOutputKind"]
+    engine = c("AsyncLLM.from_engine_args(AsyncEngineArgs(model, enforce_eager=True))",
+               lambda: ns["AsyncLLM"].from_engine_args(ns["AsyncEngineArgs"](model="smollm2", enforce_eager=True,
+                                                                              **SMALL)))
+    assert engine is not None, h.results[-1]
+    try:
+        delta = SamplingParams(temperature=0, max_tokens=12, output_kind=RequestOutputKind.DELTA)
+
+        async def stream(params, request_id):
+            pieces, last = [], None
+            async for output in engine.generate(request_id=request_id, prompt=PROMPTS[2], sampling_params=params):
+                pieces += [completion.text for completion in output.outputs]
+                last = output
+                if output.finished:
+                    break
+            return pieces, last
+
+        await ac("async for output in engine.generate(..., DELTA)", lambda: stream(delta, "stream-1"),
+                 lambda v: _true("".join(v[0]) == greedy_text and v[1].finished))
+        await ac("engine.generate(...) cumulative by default", lambda: stream(
+            SamplingParams(temperature=0, max_tokens=12), "stream-2"),
+            lambda v: _true(v[0][-1] == greedy_text and all(greedy_text.startswith(p) for p in v[0])))
+        await ac("engine.generate(prompt, params, request_id) positionally", lambda: _first(
+            engine.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=12,
+                                                       output_kind=RequestOutputKind.FINAL_ONLY), "final-1")),
+            lambda v: _true(v.outputs[0].text == greedy_text))
+        await ac("await engine.get_tokenizer()", lambda: engine.get_tokenizer(), lambda v: _true(v.encode("a")))
+        await ac("await engine.get_model_config()", lambda: engine.get_model_config(),
+                 lambda v: _true(v.max_model_len == 1024))
+        c("engine.model_config.max_model_len", lambda: engine.model_config.max_model_len,
+          lambda v: _true(v == 1024))
+        await ac("await engine.reset_prefix_cache()", lambda: engine.reset_prefix_cache())
+        await ac("await engine.check_health()", lambda: engine.check_health())
+        c("engine.is_running / engine.errored", lambda: (engine.is_running, engine.errored),
+          lambda v: _true(v == (True, False)))
+        await ac("await engine.abort(request_id)", lambda: _abort_midway(engine, SamplingParams))
+    finally:
+        c("engine.shutdown()", lambda: engine.shutdown())
+    c("engine.errored after shutdown", lambda: engine.errored, _true)
+
+
+async def _first(stream):
+    async for output in stream:
+        return output
+
+
+async def _abort_midway(engine, SamplingParams) -> bool:
+    """Start a long request, abort it after its first output: its stream ends (vLLM's
+    stream raises nothing either, or the engine's abort error, when aborted)."""
+    outputs = []
+    stream = engine.generate(PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True), "to-abort")
+    try:
+        async for output in stream:
+            outputs.append(output)
+            if len(outputs) == 1:
+                await engine.abort("to-abort")
+    except Exception as e:  # noqa: BLE001 - an abort error is an ending too
+        assert "abort" in str(e).lower(), e
+    assert outputs and len(outputs[-1].outputs[0].token_ids) < 200
+    return True
 
 
 def _true(value) -> None:
