@@ -382,6 +382,10 @@ class LLMEngine:
             sched = self.scheduler
             return EngineSnapshot(len(sched.running), len(sched.waiting) + num_handed, self.kv_stats())
 
+    def do_log_stats(self) -> None:
+        """vLLM's: log the engine's statistics now (the KV cache summary, at INFO)."""
+        logger.info(self.kv_stats().summary())
+
     def get_metrics(self) -> list:
         """Every vllm: metric as vLLM's reader records (nanokv.metrics.reader)."""
         with self.lock:

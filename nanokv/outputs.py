@@ -24,6 +24,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None  # per generated token: top-N + sampled
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None
+    lora_request: None = None  # vLLM's field; LoRA is not supported, always None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -121,6 +122,11 @@ class RequestOutput:
     error: str | None = None  # why the request failed in a step (its samples end with "error")
     metrics: RequestMetrics | None = None  # the request's times so far (the same object in each delta)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
+    # vLLM's fields for what nanokv does not do (LoRA, encoder-decoder models, KV transfer): None
+    lora_request: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
+    kv_transfer_params: None = None
 
 
 def __getattr__(name: str):

@@ -191,3 +191,27 @@ def test_async_llm_has_vllms_engine_client_names(model_dir):
         return False
 
     assert asyncio.run(main())
+
+
+def test_lora_sizing_and_request_logging_arguments_are_accepted_without_effect(caplog):
+    with caplog.at_level(logging.INFO, logger="nanokv"):
+        args = EngineArgs(model="m", max_lora_rank=64, max_loras=2, disable_log_requests=True,
+                          guided_decoding_backend="xgrammar")
+    assert args.model == "m"
+    assert any("max_lora_rank=64: no effect here: LoRA adapters are not supported" in r.getMessage()
+               for r in caplog.records)
+    with pytest.raises(ValueError, match="enable_lora=True is refused: LoRA"):  # the LoRA switch itself
+        EngineArgs(max_lora_rank=64, enable_lora=True)
+
+
+def test_outputs_carry_vllms_fields_for_what_nanokv_does_not_do(llm):
+    (out,) = llm.generate("Hello", GREEDY, use_tqdm=False)
+    assert (out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids, out.kv_transfer_params) == \
+        (None,) * 4
+    assert out.outputs[0].lora_request is None
+
+
+def test_engine_do_log_stats_logs_the_kv_summary(llm, caplog):
+    with caplog.at_level(logging.INFO, logger="nanokv"):
+        llm.llm_engine.do_log_stats()
+    assert any("KV cache:" in r.getMessage() for r in caplog.records)

@@ -183,6 +183,8 @@ def run_script(h: Harness, tmp_path) -> None:  # noqa: PLR0915 - a script, call 
 
     # ---- engine arguments refused before anything loads ------------------------------------
     c("LLM(model, enable_lora=True)", lambda: LLM("smollm2", enable_lora=True, **SMALL), expect=REFUSED, names=LORA)
+    c("LLM(model, max_lora_rank=64, max_loras=4, enable_lora=True)",
+      lambda: LLM("smollm2", max_lora_rank=64, max_loras=4, enable_lora=True, **SMALL), expect=REFUSED, names=LORA)
     c("LLM(model, task='embed')", lambda: LLM("smollm2", task="embed", **SMALL), expect=REFUSED, names=POOLING)
     c("LLM(model, runner='pooling')", lambda: LLM("smollm2", runner="pooling", **SMALL), expect=REFUSED,
       names=POOLING)
@@ -232,6 +234,9 @@ def run_script(h: Harness, tmp_path) -> None:  # noqa: PLR0915 - a script, call 
       lambda v: _true(v[0] is not None and v[1] is not None and v[2] >= 0))
     c("isinstance(output, RequestOutput) and outputs[0] a CompletionOutput",
       lambda: isinstance(out, RequestOutput) and isinstance(out.outputs[0], CompletionOutput), _true)
+    c("output.lora_request / encoder_prompt / encoder_prompt_token_ids",
+      lambda: (out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids, out.outputs[0].lora_request),
+      lambda v: _true(v == (None, None, None, None)))
     c("repr(RequestOutput)", lambda: repr(out), lambda v: _true("RequestOutput" in v))
     c("pickle RequestOutput", lambda: pickle.loads(pickle.dumps(out)),
       lambda v: _true(v.outputs[0].text == out.outputs[0].text))
@@ -592,6 +597,7 @@ def run_script(h: Harness, tmp_path) -> None:  # noqa: PLR0915 - a script, call 
       lambda v: _true(v == 1024))
     c("engine.get_tokenizer().decode", lambda: eng.get_tokenizer().decode(ids), lambda v: _true(PROMPTS[2] in v))
     c("engine.reset_prefix_cache()", lambda: eng.reset_prefix_cache(), lambda v: _true(v is True))
+    c("engine.do_log_stats()", lambda: eng.do_log_stats())
     c("engine.get_default_sampling_params()? (vLLM: via the LLM)", lambda: eng.get_default_sampling_params(),
       lambda v: _true(isinstance(v, SamplingParams)))
 
@@ -606,9 +612,9 @@ def run_script(h: Harness, tmp_path) -> None:  # noqa: PLR0915 - a script, call 
 async def async_section(h: Harness, greedy_text: str) -> None:
     ns, c, ac = h.ns, h.call, h.acall
     SamplingParams, RequestOutputKind = ns["SamplingParams"], ns["RequestOutputKind"]
-    engine = c("AsyncLLM.from_engine_args(AsyncEngineArgs(model, enforce_eager=True))",
-               lambda: ns["AsyncLLM"].from_engine_args(ns["AsyncEngineArgs"](model="smollm2", enforce_eager=True,
-                                                                              **SMALL)))
+    engine = c("AsyncLLM.from_engine_args(AsyncEngineArgs(model, enforce_eager=True, disable_log_requests=True))",
+               lambda: ns["AsyncLLM"].from_engine_args(ns["AsyncEngineArgs"](
+                   model="smollm2", enforce_eager=True, disable_log_requests=True, **SMALL)))
     assert engine is not None, h.results[-1]
     try:
         delta = SamplingParams(temperature=0, max_tokens=12, output_kind=RequestOutputKind.DELTA)

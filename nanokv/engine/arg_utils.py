@@ -313,9 +313,15 @@ _VLLM_ONLY: dict[str, tuple[tuple | None, str]] = {
     "use_tqdm_on_load": (None, "loading shows no progress bar"),
     "disable_custom_all_reduce": (None, "tensor parallelism uses torch.distributed's all-reduce"),
     "disable_async_output_proc": (None, "outputs are processed after each step"),
-    "max_loras": (None, "LoRA adapters are not supported by nanokv"),
-    "max_lora_rank": (None, "LoRA adapters are not supported by nanokv"),
-    "max_cpu_loras": (None, "LoRA adapters are not supported by nanokv"),
+    # LoRA sizing: meaningless without enable_lora, which is refused
+    **{name: (None, "LoRA adapters are not supported by nanokv (enable_lora is refused)")
+       for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype", "fully_sharded_loras",
+                    "lora_extra_vocab_size")},
+    # AsyncEngineArgs' request logging (the same class here): the engine logs no requests
+    "disable_log_requests": (None, "the engine logs no requests (nanokv serve's --enable-log-requests does)"),
+    "enable_log_requests": (None, "the engine logs no requests (nanokv serve's --enable-log-requests does)"),
+    "guided_decoding_backend": (None, "structured outputs are not supported yet"),
+    "disable_sliding_window": (None, "no supported architecture uses a sliding window"),
     "max_parallel_loading_workers": (None, "the weights load in one pass"),
     "otlp_traces_endpoint": (None, "OpenTelemetry tracing is not supported by nanokv; /metrics has vLLM's "
                              "metrics"),
