@@ -108,9 +108,9 @@ class EngineArgs:
     runner: str = _arg("auto", "'auto' or 'generate'; 'pooling' is not supported")
     enable_chunked_prefill: bool = _arg(True, "always on: a prompt longer than max_num_batched_tokens is "
                                         "prefilled over several steps; False is refused")
-    disable_log_stats: bool = _arg(False, "no KV cache summary logged after each LLM.generate / chat (LLM(...) "
-                                   "defaults to True, as vLLM's does) and at the end of nanokv generate, no "
-                                   "periodic stats line from nanokv serve")
+    disable_log_stats: bool = _arg(False, "no KV cache summary logged after each LLM.generate / chat and at the "
+                                   "end of nanokv generate, no periodic stats line from nanokv serve "
+                                   "(LLM(...) defaults to True, as vLLM's does)")
     swap_space: float = _arg(4, "no effect: preempted requests are recomputed, never swapped to CPU memory "
                              "(GiB in vLLM)", no_effect=True)
     cpu_offload_gb: float = _arg(0, "0 only: the weights stay on the device (on the CPU they are in memory "
@@ -144,7 +144,7 @@ class EngineArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-                     exclude: tuple[str, ...] = ()):
+                     exclude: tuple[str, ...] = ()) -> argparse.ArgumentParser | argparse._ArgumentGroup:
         """One flag per field (--max-model-len, ...; aliases as --block-size, ...); give the
         parser argparse.ArgumentDefaultsHelpFormatter and the help shows every default.
         Dict-valued fields (--hf-overrides) take JSON. Returns the parser (vLLM's
