@@ -100,14 +100,16 @@ def smollm2_path():
 def test_a_vllm_offline_script_with_only_the_import_changed(smollm2_path, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "profile"))
     h = Harness()
-    run_script(h, tmp_path)
-    tally = h.tally()
-    with capsys.disabled():
-        print("\nvLLM offline script on nanokv:", ", ".join(f"{k} {v}" for k, v in tally.items()))
-        for name, expected, got, detail in h.results:
-            if got != OK:
-                print(f"  [{got}{'' if got == expected else ', expected ' + expected}] {name}: "
-                      f"{detail.splitlines()[0][:200] if detail else ''}")
+    try:
+        run_script(h, tmp_path)
+    finally:  # the tally so far, also when a call the rest needs (building the LLM) failed
+        tally = h.tally()
+        with capsys.disabled():
+            print("\nvLLM offline script on nanokv:", ", ".join(f"{k} {v}" for k, v in tally.items()))
+            for name, expected, got, detail in h.results:
+                if got != OK:
+                    print(f"  [{got}{'' if got == expected else ', expected ' + expected}] {name}: "
+                          f"{detail.splitlines()[0][:200] if detail else ''}")
     unexpected = [(name, expected, got, detail) for name, expected, got, detail in h.results if got != expected]
     assert not unexpected, "\n".join(f"{n}: expected {e}, got {g}: {d}" for n, e, g, d in unexpected)
     assert tally["calls"] >= 140
@@ -615,7 +617,8 @@ async def async_section(h: Harness, greedy_text: str) -> None:
     engine = c("AsyncLLM.from_engine_args(AsyncEngineArgs(model, enforce_eager=True, disable_log_requests=True))",
                lambda: ns["AsyncLLM"].from_engine_args(ns["AsyncEngineArgs"](
                    model="smollm2", enforce_eager=True, disable_log_requests=True, **SMALL)))
-    assert engine is not None, h.results[-1]
+    if engine is None:
+        return  # recorded as failed; the calls on it cannot run
     try:
         delta = SamplingParams(temperature=0, max_tokens=12, output_kind=RequestOutputKind.DELTA)
 
