@@ -161,8 +161,6 @@ class EngineArgs:
             else:
                 parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, help=help,
                                     metavar="JSON" if kind is _json else f.name.upper())
-        return parser
-
         # vLLM's flags for what nanokv has no field for: parsed (hidden from --help) so that a
         # `vllm serve` command line carrying them gets the reason, not argparse's bare
         # "unrecognized arguments"; from_cli_args checks them as from_kwargs does
@@ -178,6 +176,7 @@ class EngineArgs:
             else:
                 parser.add_argument(_flag(name), dest=name, type=kind, default=argparse.SUPPRESS,
                                     help=argparse.SUPPRESS)
+        return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides) -> EngineArgs:
