@@ -141,3 +141,10 @@ def test_the_package_version_is_nanokv_version(tmp_path):
     (tmp_path / "nanokv" / "__init__.py").write_text(source.replace(nanokv.__version__, "9.8.7"))
     config = setuptools_config.read_configuration(str(tmp_path / "pyproject.toml"))
     assert config["project"]["version"] == "9.8.7"
+
+
+@pytest.mark.parametrize("command, where", [("bench", "bench.py"), ("run-batch", "nanokv generate")])
+def test_vllm_commands_nanokv_lacks_name_what_does_their_work(command, where, capsys):
+    assert main([command, "--model", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "vLLM command" in err and where in err

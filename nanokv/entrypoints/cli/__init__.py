@@ -16,11 +16,25 @@ terminal chat and completion, on a local model or a server. docs/cli.md document
 
 from __future__ import annotations
 
+import sys
+
 from nanokv.entrypoints.cli.arguments import build_parser
 from nanokv.entrypoints.cli.common import EXIT_INTERRUPTED, EXIT_USAGE, InputError, RunFailed, say
 
 
+# vLLM's subcommands that nanokv has no command for, and what does their work here
+_VLLM_ONLY_COMMANDS = {
+    "bench": "benchmarks are run with bench.py from the repository (python bench.py --help; docs/benchmarks.md)",
+    "run-batch": "nanokv generate runs a JSONL file of requests (nanokv generate --help; docs/cli.md)",
+    "collect-env": "nanokv has no collect-env command; nanokv --version and pip list name the versions",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    command = (sys.argv[1:] if argv is None else argv)[:1]
+    if command and command[0] in _VLLM_ONLY_COMMANDS:
+        say(f"nanokv: {command[0]!r} is a vLLM command nanokv does not have: {_VLLM_ONLY_COMMANDS[command[0]]}")
+        return EXIT_USAGE
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
