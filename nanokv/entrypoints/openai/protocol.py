@@ -96,6 +96,13 @@ class GenerationRequest:
     param_names: dict[str, str]  # SamplingParams field -> the request field it came from
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:N" (return_tokens_as_token_ids)
     role: str = "assistant"  # chat: the answer's role
+    # vLLM's echo: completions put each prompt's text before its answers (echo_text None);
+    # chat puts echo_text (the last message's content, when its role is the answer's) first
+    echo: bool = False
+    echo_text: str | None = None
+    # vLLM's add_special_tokens (completions: default true; chat: false, the template holds them)
+    add_special_tokens: bool = True
+    return_token_ids: bool = False  # vLLM's: token_ids on each choice, the prompt's prompt_token_ids
 
 
 @dataclass
@@ -123,7 +130,8 @@ def _off(*values) -> Callable[[Any, dict], bool]:
 # SamplingParams fields taken as they are (None: the default).
 _SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
              "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
-             "include_stop_str_in_output", "skip_special_tokens")
+             "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+             "truncate_prompt_tokens")
 
 # Known fields nanokv does not implement: accepted only when they ask for nothing.
 _UNSUPPORTED_COMMON = {
@@ -133,7 +141,6 @@ _UNSUPPORTED_COMMON = {
     "allowed_token_ids": _off(None),
     "bad_words": _off(None, []),
     "logits_processors": _off(None, []),
-    "truncate_prompt_tokens": _off(None),
     "structured_outputs": _off(None),
     "guided_json": _off(None), "guided_regex": _off(None), "guided_choice": _off(None),
     "guided_grammar": _off(None), "guided_decoding_backend": _off(None),
@@ -141,13 +148,11 @@ _UNSUPPORTED_COMMON = {
 }
 _UNSUPPORTED_COMPLETION = {
     **_UNSUPPORTED_COMMON,
-    "echo": _off(None, False),
     "suffix": _off(None, ""),
     "best_of": lambda v, body: v is None or (v == body.get("n", 1) or (v == 1 and body.get("n") is None)),
 }
 _UNSUPPORTED_CHAT = {
     **_UNSUPPORTED_COMMON,
-    "echo": _off(None, False),
     "tools": _off(None, []),
     "functions": _off(None, []),
     "tool_choice": lambda v, body: v is None or v == "none" or (v == "auto" and not body.get("tools")),
@@ -184,8 +189,14 @@ def parse_completion(body: dict, settings: ServerSettings, limits: Limits,
     params = _sampling_params(kwargs, names)
     limits.check_max_tokens(params, "max_tokens")
     stream, include_usage, continuous = _stream(body)
+    echo = _get(body, "echo", bool, "true or false", False)
+    if echo and params.logprobs is not None:
+        raise bad_request("echo with logprobs asks for the prompt's logprobs too, which nanokv does not compute "
+                          "(prompt_logprobs is not supported); drop echo or logprobs", "echo")
     return GenerationRequest(model, prompts, params, stream, include_usage, continuous, params.logprobs,
-                             {"prompt": "prompt", **names}, _tokens_as_ids(body, settings))
+                             {"prompt": "prompt", **names}, _tokens_as_ids(body, settings), echo=echo,
+                             add_special_tokens=_get(body, "add_special_tokens", bool, "true or false", True),
+                             return_token_ids=_get(body, "return_token_ids", bool, "true or false", False))
 
 
 def parse_chat(body: dict, settings: ServerSettings, tokenizer, limits: Limits,
@@ -216,11 +227,19 @@ def parse_chat(body: dict, settings: ServerSettings, tokenizer, limits: Limits,
     limits.check_max_tokens(params, names["max_tokens"])
     stream, include_usage, continuous = _stream(body)
     prompt = _render(body, messages, settings, tokenizer, add_generation_prompt)
+    add_special = _get(body, "add_special_tokens", bool, "true or false", False)
+    if add_special:  # the tokenizer's own (a BOS) on top of the template's
+        prompt = {**prompt, "prompt_token_ids": tokenizer(prompt["prompt"], add_special_tokens=True).input_ids}
     # vLLM's rule: the configured role answers a generation prompt; without one the model
     # continues the last message, so the answer has that message's role
     role = settings.response_role if add_generation_prompt else messages[-1]["role"]
+    # vLLM's echo: the answer starts with the last message when that message has the answer's role
+    echo = _get(body, "echo", bool, "true or false", False)
+    echo_text = messages[-1]["content"] if echo and messages[-1]["role"] == role else None
     return GenerationRequest(model, [prompt], params, stream, include_usage, continuous, params.logprobs, names,
-                             _tokens_as_ids(body, settings), role)
+                             _tokens_as_ids(body, settings), role, echo=echo_text is not None,
+                             echo_text=echo_text, add_special_tokens=add_special,
+                             return_token_ids=_get(body, "return_token_ids", bool, "true or false", False))
 
 
 def parse_tokenize(body: dict, settings: ServerSettings, tokenizer, limits: Limits) -> TokenizeRequest:

@@ -28,6 +28,7 @@ from nanokv.entrypoints.openai.protocol import (
     APIError, GenerationRequest, Limits, bad_request, error_body, param_of, parse_chat, parse_completion,
     parse_detokenize, parse_tokenize, rename_fields)
 from nanokv.entrypoints.openai.settings import ServerSettings
+from nanokv.llm_engine import check_text
 from nanokv.output_processor import RequestState
 from nanokv.outputs import CompletionOutput, Logprob
 
@@ -189,7 +190,7 @@ class OpenAIServing:
             raise APIError(503, str(e)) from None
         except ValueError as e:
             raise bad_request(str(e)) from None
-        answer = _Answer(self, gen, chat, response_id, reqs)
+        answer = _Answer(self, gen, chat, response_id, reqs, self.llm.tokenizer)
         if gen.stream:
             return _EventStream(answer.events(stream), stream.close)
         try:
@@ -236,6 +237,10 @@ class OpenAIServing:
         reqs = []
         for i, prompt in enumerate(gen.prompts):
             try:
+                if isinstance(prompt, str) and not gen.add_special_tokens:
+                    check_text(prompt, "prompt")
+                    ids = self.llm.tokenizer(prompt, add_special_tokens=False).input_ids
+                    prompt = {"prompt": prompt, "prompt_token_ids": ids}
                 reqs.append(self.llm.make_request(prompt, gen.params, f"{response_id}-{i}", stream=gen.stream))
             except ValueError as e:
                 message = rename_fields(str(e), gen.param_names)
@@ -309,7 +314,7 @@ class _Answer:
     streamed. Choice index = prompt index * n + sample index."""
 
     def __init__(self, serving: OpenAIServing, gen: GenerationRequest, chat: bool, response_id: str,
-                 reqs: list[RequestState]):
+                 reqs: list[RequestState], tokenizer):
         self.gen, self.chat, self.id = gen, chat, response_id
         self.token_text = serving.token_text
         # how logprobs name a token: its text, or "token_id:N"
@@ -320,6 +325,12 @@ class _Answer:
         self.num_choices = len(reqs) * n
         self.usage = _Usage(sum(len(r.prompt_token_ids) for r in reqs),
                             cached_tokens={} if serving.enable_prompt_tokens_details else None)
+        self.prompt_ids = [r.prompt_token_ids for r in reqs]  # return_token_ids
+        self.sent_prompt_ids: set[int] = set()  # streamed completions: choices that had their prompt's ids
+        self.echo = [""] * len(reqs)  # per prompt: the text put before each of its answers (vLLM's echo)
+        if gen.echo:
+            self.echo = [gen.echo_text if chat else r.prompt if isinstance(r.prompt, str)
+                         else tokenizer.decode(r.prompt_token_ids) for r in reqs]
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.gen.model,
@@ -338,19 +349,34 @@ class _Answer:
         body = self._envelope("chat.completion" if self.chat else "text_completion",
                               [self._whole_choice(i, ch) for i, ch in enumerate(choices)])
         body["usage"] = self.usage.as_dict()
+        if self.chat and self.gen.return_token_ids:
+            body["prompt_token_ids"] = self.prompt_ids[0]
         return body
 
     def _whole_choice(self, index: int, ch: _Choice) -> dict:
-        text = "".join(ch.texts)
+        text = self.echo[index // self.gen.params.n] + "".join(ch.texts)
         logprobs = None
         if self.gen.logprobs is not None:
             logprobs = (self._chat_logprobs(ch.token_ids, ch.logprobs) if self.chat
                         else self._completion_logprobs(ch.token_ids, ch.logprobs, 0)[0])
         if self.chat:
-            return {"index": index, "message": {"role": self.gen.role, "content": text, "tool_calls": []},
-                    "logprobs": logprobs, "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": ch.finish_reason,
-                "stop_reason": ch.stop_reason}
+            choice = {"index": index, "message": {"role": self.gen.role, "content": text, "tool_calls": []},
+                      "logprobs": logprobs, "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+        else:
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": ch.finish_reason,
+                      "stop_reason": ch.stop_reason}
+        return self._with_token_ids(choice, index, ch.token_ids)
+
+    def _with_token_ids(self, choice: dict, index: int, token_ids: list[int]) -> dict:
+        """return_token_ids (vLLM's): the choice's new token ids; a completion's choice also
+        its prompt's ids (streamed: on the choice's first chunk only)."""
+        if self.gen.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+            if not self.chat and index not in self.sent_prompt_ids:
+                choice["prompt_token_ids"] = self.prompt_ids[index // self.gen.params.n]
+                if self.gen.stream:
+                    self.sent_prompt_ids.add(index)
+        return choice
 
     # ---- streamed ------------------------------------------------------------------------------
     async def events(self, stream: RequestStream):
@@ -358,17 +384,22 @@ class _Answer:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         offsets = [0] * self.num_choices  # completions logprobs: text offset of each choice
 
-        def chunk(choices: list) -> bytes:
-            body = self._envelope(obj, choices)
+        def chunk(choices: list, **extra) -> bytes:
+            body = {**self._envelope(obj, choices), **extra}
             if gen.include_usage:
                 body["usage"] = self.usage.as_dict() if gen.continuous_usage else None
             return _sse(body)
 
         try:
             if self.chat:  # the role first, one chunk per choice (as OpenAI and vLLM do)
+                # return_token_ids: the prompt's ids on the first chunk (vLLM's place)
+                ids = {"prompt_token_ids": self.prompt_ids[0]} if gen.return_token_ids else {}
                 yield b"".join(chunk([{"index": i, "delta": {"role": gen.role, "content": ""},
-                                       "logprobs": None, "finish_reason": None}])
+                                       "logprobs": None, "finish_reason": None}], **(ids if i == 0 else {}))
                                for i in range(self.num_choices))
+            if gen.echo:  # the echoed text first, one chunk per choice
+                yield b"".join(chunk([self._echo_choice(i)]) for i in range(self.num_choices)
+                               if self.echo[i // gen.params.n])
             while outputs := await stream.next_outputs():
                 parts = []
                 for out in outputs:
@@ -380,7 +411,8 @@ class _Answer:
                         index = self.base[out.request_id] + c.index
                         self.usage.completion_tokens += len(c.token_ids)
                         with_logprobs = gen.logprobs is not None and bool(c.token_ids)
-                        if not c.text and c.finish_reason is None and not with_logprobs:
+                        with_ids = gen.return_token_ids and bool(c.token_ids)
+                        if not c.text and c.finish_reason is None and not with_logprobs and not with_ids:
                             continue  # nothing to show yet (held back for a stop string, a partial character)
                         parts.append(chunk([self._delta_choice(index, c, offsets, with_logprobs)]))
                 if parts:
@@ -397,6 +429,12 @@ class _Answer:
             yield _sse(body)
         yield _DONE
 
+    def _echo_choice(self, index: int) -> dict:
+        text = self.echo[index // self.gen.params.n]
+        if self.chat:
+            return {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+
     def _delta_choice(self, index: int, c: CompletionOutput, offsets: list[int], with_logprobs: bool) -> dict:
         logprobs = None
         if with_logprobs:
@@ -406,10 +444,12 @@ class _Answer:
                 logprobs, offsets[index] = self._completion_logprobs(c.token_ids, c.logprobs or [], offsets[index])
         if self.chat:
             delta = {"content": c.text} if c.text else {}
-            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason}
-        return {"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                      "stop_reason": c.stop_reason}
+        else:
+            choice = {"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                      "stop_reason": c.stop_reason}
+        return self._with_token_ids(choice, index, c.token_ids)
 
     # ---- logprobs --------------------------------------------------------------------------------
     def _completion_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]],
