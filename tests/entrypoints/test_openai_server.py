@@ -520,6 +520,8 @@ BAD = [  # (path, body or raw bytes, param, part of the message)
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
      "include_usage", "true or false"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "cache_salt": "a"},
+     "cache_salt", "not supported"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, "echo", "prompt_logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": "yes"}, "echo", "true or false"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens",

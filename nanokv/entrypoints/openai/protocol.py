@@ -145,6 +145,9 @@ _UNSUPPORTED_COMMON = {
     "guided_json": _off(None), "guided_regex": _off(None), "guided_choice": _off(None),
     "guided_grammar": _off(None), "guided_decoding_backend": _off(None),
     "response_format": lambda v, body: v is None or v == {"type": "text"},
+    # vLLM keeps salted requests' prefix-cache blocks apart; here every request shares them,
+    # so a salt (which asks for that isolation) is refused rather than silently ignored
+    "cache_salt": _off(None),
 }
 _UNSUPPORTED_COMPLETION = {
     **_UNSUPPORTED_COMMON,
@@ -400,7 +403,7 @@ def _check_unsupported(body: dict, fields: dict) -> None:
                 ok = False
             if not ok:
                 raise bad_request(f"{name}={_show(body[name])} is not supported by nanokv; remove it "
-                                  "(see the README's Server section for what is)", name)
+                                  "(docs/vllm-compat.md lists what is)", name)
 
 
 _PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"
