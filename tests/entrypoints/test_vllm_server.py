@@ -157,13 +157,14 @@ def test_an_unknown_model_is_vllms_404_on_every_route(offline):
         post("/v1/chat/completions", {"model": "gpt-4", "messages": CHAT}),
         post("/tokenize", {"model": "gpt-4", "prompt": "Hi"}),
         post("/detokenize", {"model": "gpt-4", "tokens": [5]}),
+        get("/v1/models/gpt-4"),
         post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 1}),
     ])
-    for resp in r[:4]:
+    for resp in r[:5]:
         assert resp.status_code == 404
         assert resp.json() == {"error": {"message": "The model `gpt-4` does not exist.", "type": "NotFoundError",
                                          "param": "model", "code": 404}}
-    assert r[4].status_code == 200
+    assert r[5].status_code == 200
 
 
 # ---- /ping, /version, /docs, /openapi.json ---------------------------------------------------------

@@ -41,7 +41,7 @@ from nanokv.async_llm import AsyncLLM
 from nanokv.engine.arg_utils import EngineArgs
 from nanokv.entrypoints.openai.connections import connection_limits, guarded_protocol, listen_queue, raise_fd_limit
 from nanokv.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
-from nanokv.entrypoints.openai.protocol import APIError, bad_request, error_body
+from nanokv.entrypoints.openai.protocol import APIError, bad_request, error_body, model_not_found
 from nanokv.entrypoints.openai.serving import OpenAIServing, json_response
 from nanokv.entrypoints.openai.settings import ServerSettings
 from nanokv.entrypoints.openai.sites import SiteGuard
@@ -130,7 +130,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         for card in cards:
             if card["id"] == name:
                 return json_response(card)
-        raise APIError(404, f"the model {name!r} is not served here; GET /v1/models lists them", "model")
+        raise model_not_found(name)
 
     @app.post("/tokenize", summary="Token ids of a prompt or a conversation (vLLM's /tokenize)",
               openapi_extra=_json_body({"prompt": "Hello", "add_special_tokens": True, "return_token_strs": True}))

@@ -295,9 +295,14 @@ def check_model(body: dict, names: tuple[str, ...]) -> str:
     if not isinstance(model, str):
         raise bad_request(f"model must be a string, got {_show(model)}", "model")
     if model not in names:
-        shown = model if len(model) <= 200 else model[:197] + "..."
-        raise APIError(404, f"The model `{shown}` does not exist.", "model")
+        raise model_not_found(model)
     return model
+
+
+def model_not_found(model: str) -> APIError:
+    """vLLM's 404 for a model that is not served."""
+    shown = model if len(model) <= 200 else model[:197] + "..."
+    return APIError(404, f"The model `{shown}` does not exist.", "model")
 
 
 def _check_messages_length(messages: list[dict], limits: Limits) -> None:
