@@ -101,6 +101,8 @@ def load(width: int | None = None, portable: bool | str = False):
     lib.nk_argmax_rows.restype = None
     lib.nk_logprobs.argtypes = [p, i, p, i, p, i, i, p, p, p, p]
     lib.nk_logprobs.restype = None
+    lib.nk_mask_rows.argtypes = [p, i, p, i, p, i]
+    lib.nk_mask_rows.restype = None
     return lib
 
 

@@ -340,6 +340,17 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, c: int, block: 
     return tokens, z
 
 
+def mask_rows(logits: torch.Tensor, rows: torch.Tensor | None, mask: torch.Tensor) -> None:
+    """Set to -inf, in place, each token of the rows rows (int64, None: all) of contiguous
+    float32 logits [N, V] whose bit in its row of mask [n, (V + 31) // 32] int32 is clear
+    (vLLM's packed bitmask). csrc/sampler.c's nk_mask_rows."""
+    n, words = mask.shape
+    assert logits.is_contiguous() and logits.dtype == torch.float32 and words == (logits.shape[1] + 31) // 32
+    mask = mask.to(torch.int32).contiguous()
+    rows = None if rows is None else rows.to(torch.long).contiguous()
+    lib().nk_mask_rows(logits.data_ptr(), logits.shape[1], ptr(rows), n, mask.data_ptr(), words)
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=1) ([N] int64) of contiguous float32 logits [N, V]: the first of
     equal maxima, the first NaN where a row has one. csrc/sampler.c's nk_argmax_rows."""

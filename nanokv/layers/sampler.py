@@ -1,6 +1,7 @@
 """Batched sampling with per-row settings, at a cost close to greedy.
 
-Order (vLLM's): min_tokens mask -> penalties -> [logprobs taken here] -> greedy argmax,
+Order (vLLM's): token mask (allowed_token_ids, bad_words: a packed bitmask per constrained
+row) -> logit_bias -> min_tokens mask -> penalties -> [logprobs taken here] -> greedy argmax,
 or temperature -> top-k -> top-p -> min-p -> one draw. Greedy rows take the argmax of the
 penalised logits and are exact.
 
@@ -72,6 +73,14 @@ class SamplingTensors:
     penalty_counts: torch.Tensor | None = None  # [P] float32: times generated (0: prompt only)
     # min_tokens: ([R] rows, [K] token ids) pairs, every id masked in each of the rows
     banned: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # token masks: [M] rows, each with its [M, (V + 31) // 32] int32 words (vLLM's packed
+    # bitmask, nanokv/constraints.py: bit clear = token banned); None when no row has one
+    mask_rows: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    # logit_bias: [B] (row, token id, bias) triples, added to the logits
+    bias_rows: torch.Tensor | None = None
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
     seeded: list[tuple[int, int]] | None = None  # (row, seed for this token) for seeded rows
     max_logprobs: int | None = None  # largest top-N asked for, None when no row asks
     logprob_rows: torch.Tensor | None = None  # [A] int64 rows that ask (None: all rows)
@@ -172,8 +181,8 @@ def one_thread():
 
 
 class Sampler:
-    """Samples one token per row. The logits are overwritten where min_tokens masks or
-    penalties apply."""
+    """Samples one token per row. The logits are overwritten where token masks, logit_bias,
+    min_tokens masks or penalties apply."""
 
     def __init__(self, cpu_kernels: bool | None = None):
         self._scratch = torch.empty(0)  # two CPU chunk buffers, kept: fresh memory page-faults
@@ -191,6 +200,10 @@ class Sampler:
         logits = logits.float()  # [N, V]
         if self._kernels(logits):
             logits = logits.contiguous()
+        if t.mask is not None:
+            apply_token_mask(logits, t.mask_rows, t.mask, self._kernels(logits))
+        if t.bias_ids is not None:
+            logits.index_put_((t.bias_rows, t.bias_ids), t.bias_values, accumulate=True)
         if t.banned is not None:
             for rows, ids in t.banned:
                 logits[rows[:, None], ids] = float("-inf")
@@ -596,6 +609,26 @@ def _block(vocab: int, k: int) -> int:
     whole row searched) where blocks would be under 8 or fewer than 4 k."""
     block = 2 ** round(math.log2(max(1.0, math.sqrt(vocab / max(k, 1)))))
     return 0 if block < 8 or vocab // block < 4 * k else block
+
+
+_BIT = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32)  # bit b of an int32 word
+
+
+def unpack_mask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[M, (vocab + 31) // 32] int32 packed words -> [M, vocab] bool, True where allowed."""
+    bits = (mask[:, :, None] & _BIT.to(mask.device)) != 0  # [M, W, 32]
+    return bits.view(len(mask), -1)[:, :vocab]
+
+
+def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, cpu_kernels: bool = False) -> None:
+    """Each banned token (its bit clear in mask [M, W] int32) of the rows rows [M] of
+    logits [N, V] set to -inf, in place: in C on the CPU kernels (csrc/sampler.c's
+    nk_mask_rows, which reads only the mask), else as tensor ops."""
+    if cpu_kernels:
+        ops.mask_rows(logits, rows, mask)
+        return
+    allowed = unpack_mask(mask, logits.shape[1])
+    logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> None:

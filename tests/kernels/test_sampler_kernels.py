@@ -189,3 +189,64 @@ def test_argmax_rows_is_torchs_argmax(width, vocab):  # noqa: F811
             x[6, 3] = float("nan")
             x[6, 1] = float("inf")
         assert torch.equal(kernels.ops.argmax_rows(x), x.argmax(dim=1)), n
+
+
+def random_bitmask(n, vocab, g, density):
+    """[n, (vocab + 31) // 32] int32 words with each token's bit set with probability density."""
+    allowed = torch.rand(n, (vocab + 31) // 32 * 32, generator=g) < density
+    weights = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int64)
+    words = (allowed.view(n, -1, 32).long() * weights).sum(dim=2)  # each word's bits, as an int64
+    return words.to(torch.int32)
+
+
+@pytest.mark.parametrize("vocab", [31, 1000, 1029, 49152])
+def test_token_mask_in_c_equals_the_torch_reference(width, vocab):  # noqa: F811
+    """nk_mask_rows (the CPU path) bans exactly the tokens the torch path's unpacked mask
+    bans, on rows given and all rows, with full words, empty words and mixed ones; the
+    torch path's unpacking is itself checked bit by bit."""
+    g = torch.Generator().manual_seed(vocab)
+    for density in (0.0, 0.02, 0.5, 0.97, 1.0):
+        x = torch.randn(6, vocab, generator=g)
+        mask = random_bitmask(3, vocab, g, density)
+        mask[1, ::2] = -1  # all allowed: those words touch nothing
+        rows = torch.tensor([4, 0, 2])
+        ref, got = x.clone(), x.clone()
+        sampler_module.apply_token_mask(ref, rows, mask, cpu_kernels=False)
+        sampler_module.apply_token_mask(got, rows, mask, cpu_kernels=True)
+        assert torch.equal(got, ref), density
+        allowed = [[bool(int(mask[i, t // 32]) >> (t % 32) & 1) for t in range(vocab)] for i in range(3)]
+        expect = x.clone()
+        for i, r in enumerate(rows.tolist()):
+            expect[r, [t for t in range(vocab) if not allowed[i][t]]] = float("-inf")
+        assert torch.equal(ref, expect)
+        whole = random_bitmask(6, vocab, g, density)
+        a, b = x.clone(), x.clone()
+        kernels.ops.mask_rows(a, None, whole)
+        sampler_module.apply_token_mask(b, torch.arange(6), whole, cpu_kernels=False)
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8, 5.0])
+def test_masked_sampler_draws_only_allowed_tokens_on_both_paths(width, temperature):  # noqa: F811
+    """The sampler with a token mask and a logit bias: the C and torch paths give the same
+    tokens (seeded rows, greedy rows), every token allowed; unmasked rows are untouched."""
+    g = torch.Generator().manual_seed(7)
+    n, vocab = 8, 3001
+    logits = torch.randn(n, vocab, generator=g) * 2
+    mask = random_bitmask(4, vocab, g, 0.03)
+    mask_rows = torch.tensor([0, 3, 5, 6])
+    out = {}
+    for c in (False, True):
+        t = SamplingTensors(torch.full((n,), temperature), all_greedy=temperature == 0, mask_rows=mask_rows,
+                            mask=mask, bias_rows=torch.tensor([1, 1, 3]), bias_ids=torch.tensor([10, 20, 30]),
+                            bias_values=torch.tensor([100.0, -100.0, 3.0]),
+                            seeded=[(i, seed_for_token(11, i)) for i in range(n)])
+        out[c] = Sampler(cpu_kernels=c)(logits.clone(), t).tokens
+    assert torch.equal(out[True], out[False])
+    for i, r in enumerate(mask_rows.tolist()):
+        tok = int(out[True][r])
+        assert int(mask[i, tok // 32]) >> (tok % 32) & 1
+    if temperature == 0:
+        free = [r for r in range(n) if r not in mask_rows.tolist() and r != 1]
+        assert out[True][free].tolist() == logits[free].argmax(dim=1).tolist()
+        assert int(out[True][1]) == 10

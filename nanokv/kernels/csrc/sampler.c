@@ -806,3 +806,29 @@ void nk_logprobs(const float *logits, long V, const int64_t *rows, long n, const
         free(work);
     }
 }
+
+/* A token mask on the n rows rows[i] of logits [*, V]: row i's words mask[i * W ..] (vLLM's
+ * packed bitmask: bit b of word w allows token 32 * w + b) set each token whose bit is clear
+ * to -inf, in place. Only the mask is read: a word of all ones touches no logit, a word of
+ * zeros writes its 32 tokens, any other writes its cleared bits' tokens; so a row with few
+ * bans (bad_words) costs its words, not its logits. */
+void nk_mask_rows(float *logits, long V, const int64_t *rows, long n, const uint32_t *mask, long W) {
+#pragma omp parallel for schedule(static) if (n * V >= (1L << 20))
+    for (long i = 0; i < n; i++) {
+        float *x = logits + (rows ? rows[i] : i) * V;
+        const uint32_t *m = mask + i * W;
+        for (long w = 0; w < W; w++) {
+            uint32_t word = m[w];
+            long j0 = 32 * w;
+            if (word == 0xffffffffu) continue;
+            if (word == 0 && j0 + 32 <= V) {
+                for (int b = 0; b < 32; b++) x[j0 + b] = -INFINITY;
+                continue;
+            }
+            for (uint32_t c = ~word; c; c &= c - 1) {
+                long j = j0 + __builtin_ctz(c);
+                if (j < V) x[j] = -INFINITY;
+            }
+        }
+    }
+}
