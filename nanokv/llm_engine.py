@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from nanokv.config import EngineConfig
+from nanokv.constraints import TokenConstraint, bad_words_token_ids
 from nanokv.engine.block_manager import BlockManager
 from nanokv.engine.scheduler import Scheduler, SchedulerConfig
 from nanokv.engine.sequence import Sequence
@@ -215,7 +216,9 @@ class LLMEngine:
         request_id = str(request_id)
         room = max_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        seqs = [Sequence(request_id, token_ids, params, max_tokens, index=i) for i in range(params.n)]
+        constraint = self._constraint(params)
+        seqs = [Sequence(request_id, token_ids, params, max_tokens, index=i, constraint=constraint)
+                for i in range(params.n)]
         req = self.output_processor.new_request(request_id, text, token_ids, params, stream, seqs)
         req.metrics = arrival
         return req
@@ -245,9 +248,27 @@ class LLMEngine:
         if params.top_k > vocab:
             raise ValueError(f"top_k={params.top_k} exceeds the vocabulary size {vocab}; "
                              f"use -1 (off) or a value in [1, {vocab}]")
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
+                          ("logit_bias", params.logit_bias)):
+            bad = [t for t in ids or () if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+
+    def _constraint(self, params: SamplingParams) -> TokenConstraint | None:
+        """The request's token mask (allowed_token_ids, bad_words), or None."""
+        if not params.has_token_mask:
+            return None
+        bad_ids = []
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words needs a tokenizer (the engine has none); use allowed_token_ids or "
+                                 "logit_bias with token ids")
+            bad_ids = bad_words_token_ids(params.bad_words, self.tokenizer)
+            outside = [t for ids in bad_ids for t in ids if not 0 <= t < self.vocab_size]
+            if outside:
+                raise ValueError(f"bad_words tokenize to ids {outside[:5]} outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        return TokenConstraint(self.vocab_size, params.allowed_token_ids, bad_ids)
 
     def add_request(self, *args, **kwargs) -> str:
         """Queue a request; returns its id. ValueError on bad input (nothing is queued).

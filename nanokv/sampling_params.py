@@ -29,6 +29,11 @@ MAX_STOP_TOKEN_IDS = 1024  # ids in stop_token_ids
 # logit below 3e36 in magnitude stays finite (1e-40, a float32 subnormal, made them inf)
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100
 MAX_ADDITIVE_PENALTY = 2  # |presence_penalty|, |frequency_penalty| (OpenAI's and vLLM's range)
+MAX_LOGIT_BIAS = 100  # |a logit_bias value| (OpenAI's range)
+MAX_LOGIT_BIAS_ENTRIES = 1024  # token ids in logit_bias
+MAX_ALLOWED_TOKEN_IDS = 1 << 20  # ids in allowed_token_ids (more than any vocabulary has)
+MAX_BAD_WORDS = 256  # strings in bad_words
+MAX_BAD_WORD_CHARS = 256  # characters in one bad word
 
 
 class RequestOutputKind(enum.Enum):
@@ -43,7 +48,6 @@ class RequestOutputKind(enum.Enum):
 # is accepted, anything else refused by name (not reported as an unknown field).
 _NOT_YET = {
     "structured_outputs": "structured outputs", "guided_decoding": "structured outputs",
-    "logit_bias": "logit bias", "allowed_token_ids": "allowed token lists", "bad_words": "bad word lists",
     "prompt_logprobs": "prompt logprobs", "logits_processors": "custom logits processors",
 }
 # vLLM V0's beam-search fields and their "off" values
@@ -84,8 +88,14 @@ class SamplingParams:
         AsyncLLM.generate return: CUMULATIVE (the default), DELTA or FINAL_ONLY.
         LLM.generate always returns final outputs.
     extra_args: a dict kept with the request for the caller's own use (nanokv reads none).
+    allowed_token_ids: only these token ids may be generated (None: all).
+    bad_words: words never generated: a word's last token is banned where the tokens
+        before it were just generated (a one-token word: always), for the word as given
+        and with a leading space (vLLM's rule).
+    logit_bias: {token id: bias in [-100, 100]} added to the logits before penalties
+        (OpenAI's semantics; ids may be decimal strings, as JSON keys are).
     Unknown field names raise ValueError naming the closest known one; vLLM fields that
-    nanokv does not implement yet (logit_bias, structured_outputs, ...) raise ValueError
+    nanokv does not implement yet (structured_outputs, ...) raise ValueError
     naming them, unless None.
     Numbers and flags may be Python or numpy scalars (kept as int / float / bool); ints
     must be integral types (no bools, no floats), lists are bounded by the MAX_* constants above.
@@ -113,6 +123,9 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict[str, Any] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, 1, MAX_N)
@@ -152,6 +165,14 @@ class SamplingParams:
                              f"got {self.output_kind!r}")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids, MAX_ALLOWED_TOKEN_IDS)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids is empty; give at least one token id, or None for all")
+        if self.bad_words is not None:
+            self.bad_words = _str_list("bad_words", self.bad_words, MAX_BAD_WORDS, MAX_BAD_WORD_CHARS) or None
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias) or None
 
     @classmethod
     def from_optional(cls, **kwargs) -> "SamplingParams":
@@ -168,6 +189,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperatures below SAMPLING_EPS are greedy: dividing logits by them overflows."""
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_token_mask(self) -> bool:
+        """allowed_token_ids or bad_words: the request's rows carry a token mask."""
+        return self.allowed_token_ids is not None or self.bad_words is not None
 
     @property
     def has_penalties(self) -> bool:
@@ -284,6 +310,25 @@ def _int_list(name: str, value, max_count: int) -> list[int]:
     if len(value) > max_count:
         raise ValueError(f"{name} has {len(value)} ids; at most {max_count} are allowed, send fewer")
     return [_int(f"each of {name}", t, 0, _MAX_INT) for t in value]
+
+
+def _logit_bias(value) -> dict[int, float]:
+    """{token id: bias}: ids as ints or decimal strings (JSON object keys), at most
+    MAX_LOGIT_BIAS_ENTRIES, biases finite numbers within +-MAX_LOGIT_BIAS."""
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be an object mapping token ids to biases, got {type(value).__name__}")
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias has {len(value)} token ids; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed, "
+                         "send fewer")
+    out = {}
+    for key, bias in value.items():
+        if isinstance(key, str):
+            if not key.strip().isdecimal():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r:.80}")
+            key = int(key)
+        out[_int("each logit_bias token id", key, 0, _MAX_INT)] = _number(
+            f"logit_bias[{key}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    return out
 
 
 def __getattr__(name: str):

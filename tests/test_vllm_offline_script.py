@@ -304,12 +304,18 @@ def run_script(h: Harness, tmp_path) -> None:  # noqa: PLR0915 - a script, call 
       lambda v: _true(v == [0, 1, 2]))
     c("SamplingParams(prompt_logprobs=1)", lambda: SamplingParams(prompt_logprobs=1), expect=UNSUPPORTED,
       names="prompt_logprobs")
-    c("SamplingParams(logit_bias={...})", lambda: SamplingParams(logit_bias={10: -100.0}), expect=UNSUPPORTED,
-      names="logit_bias")
-    c("SamplingParams(allowed_token_ids=[...])", lambda: SamplingParams(allowed_token_ids=[1, 2, 3]),
-      expect=UNSUPPORTED, names="allowed_token_ids")
-    c("SamplingParams(bad_words=[...])", lambda: SamplingParams(bad_words=["bad"]), expect=UNSUPPORTED,
-      names="bad_words")
+    c("generate with SamplingParams(logit_bias={...})",
+      lambda: llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, logit_bias={10: 100.0}),
+                           use_tqdm=False),
+      lambda v: _true(v[0].outputs[0].token_ids == [10] * 4))
+    c("generate with SamplingParams(allowed_token_ids=[...])",
+      lambda: llm.generate(PROMPTS[0], SamplingParams(temperature=0.8, max_tokens=8, allowed_token_ids=[11, 12, 13]),
+                           use_tqdm=False),
+      lambda v: _true(set(v[0].outputs[0].token_ids) <= {11, 12, 13}))
+    c("generate with SamplingParams(bad_words=[...])",
+      lambda: llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, bad_words=["the", "The"]),
+                           use_tqdm=False),
+      lambda v: _true(len(v[0].outputs[0].token_ids) > 0))
     c("SamplingParams(use_beam_search=True)", lambda: SamplingParams(use_beam_search=True), expect=REFUSED,
       names=BEAM)
 

@@ -132,7 +132,7 @@ class Scheduler:
                 needy.append(table)
             num_prompt = seq.num_prompt_tokens
             add(item(seq.seq_id, [tokens[start]], start, table, True, seq.params, seq.seed,
-                     start + 1 - num_prompt, tokens, num_prompt))
+                     start + 1 - num_prompt, tokens, num_prompt, seq.constraint))
         if needy and not bm.append_blocks(needy):
             return False
         batch.seqs = items
@@ -184,6 +184,7 @@ class Scheduler:
             num_generated=seq.num_output_tokens,
             all_token_ids=seq.token_ids,
             num_prompt_tokens=seq.num_prompt_tokens,
+            constraint=seq.constraint,
         ))
         batch.num_tokens += n
 

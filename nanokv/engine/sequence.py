@@ -31,11 +31,11 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_table", "block_hashes", "num_hashed_blocks", "status", "params", "max_tokens",
         "stop_token_ids", "finish_reason", "stop_reason", "num_cached_tokens",
-        "index", "seed", "logprobs", "cumulative_logprob", "token_limit", "stoppers",
+        "index", "seed", "logprobs", "cumulative_logprob", "token_limit", "stoppers", "constraint",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 max_tokens: int, index: int = 0):
+                 max_tokens: int, index: int = 0, constraint=None):
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -57,6 +57,8 @@ class Sequence:
         self.seed = None if params.seed is None else params.seed + index
         self.logprobs: list = []  # TokenLogprobs per generated token, when params.logprobs is set
         self.cumulative_logprob = 0.0
+        # a token mask for its sampled rows (nanokv.constraints; opaque here), or None
+        self.constraint = constraint
 
     @property
     def num_tokens(self) -> int:

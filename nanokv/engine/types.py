@@ -32,7 +32,9 @@ class ScheduledSeq:
     seed: the sequence's own seed (the request seed plus the sample index), or None.
     num_generated: tokens generated so far (the index of the token sampled now).
     all_token_ids, num_prompt_tokens: the sequence's tokens (its own list, read only),
-        for penalties; the runner looks at them only when params asks for penalties.
+        for penalties and token masks; the runner looks at them only when params asks.
+    constraint: the sequence's token mask (nanokv.constraints, opaque to the engine),
+        applied when it samples; None: none.
     """
 
     seq_id: int
@@ -45,6 +47,7 @@ class ScheduledSeq:
     num_generated: int = 0
     all_token_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
+    constraint: object | None = None
 
 
 @dataclass

@@ -230,12 +230,15 @@ class ModelRunner:
                     or not all(map(is_, params, fixed.params))):
                 fixed = self._fixed_settings = _FixedSettings.build(params, vocab, self.device)
                 fixed.bans = self._bans(params)
+                fixed.masked = [i for i, p in enumerate(params) if p.has_token_mask]
         fixed.index = index
         t = copy(fixed.tensors)
         if fixed.seeded_rows:
             t.seeded = seed_keys(rows, fixed.seeded_rows) or None
         if fixed.penalties:
             self._penalty_tensors(t, rows)
+        if fixed.masked:
+            self._mask_tensors(t, rows, fixed.masked, vocab)
         if fixed.bans:
             groups: dict[int, tuple[list[int], torch.Tensor]] = {}  # rows sharing one ban list
             for i, ids in fixed.bans:
@@ -244,6 +247,20 @@ class ModelRunner:
                     groups.setdefault(id(ids), ([], ids))[0].append(i)
             t.banned = [(list_tensor(r, device=self.device), ids) for r, ids in groups.values()] or None
         return t
+
+    def _mask_tensors(self, t: SamplingTensors, rows: list[ScheduledSeq], masked: list[int], vocab: int) -> None:
+        """The constrained rows' token masks for this step, packed into one [M, W] int32
+        array (each row's words from its constraint: nanokv/constraints.py)."""
+        words = (vocab + 31) // 32
+        parts = []
+        for i in masked:
+            s = rows[i]
+            row = s.constraint.row(s.all_token_ids, s.num_prompt_tokens)
+            assert len(row) == words, f"a mask row of {len(row)} words for a vocabulary of {vocab}"
+            parts.append(row.tobytes())
+        mask = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.int32).view(len(masked), words)
+        t.mask_rows = list_tensor(masked, device=self.device)
+        t.mask = mask.to(self.device)
 
     def _bans(self, params: list[SamplingParams]) -> list[tuple[int, torch.Tensor]]:
         """(row, token ids to ban below min_tokens) for the rows whose request has
@@ -327,6 +344,7 @@ class _FixedSettings:
     seeded_rows: list[int]  # rows that draw with their request's seed
     penalties: bool
     bans: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (row, ids) ModelRunner._bans
+    masked: list[int] = field(default_factory=list)  # rows with a token mask (allowed_token_ids, bad_words)
     index: int = -1  # the batch (ScheduledBatch.index) they were last used for
 
     @staticmethod
@@ -354,6 +372,11 @@ class _FixedSettings:
         penalties = repetition.count(1) != n or presence.count(0) != n or frequency.count(0) != n
         if penalties:  # some row has_penalties
             t.repetition, t.presence, t.frequency = (column(v) for v in (repetition, presence, frequency))
+        biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+        if biased:  # (row, id, bias) triples: a short list per row, not a [N, V] tensor
+            t.bias_rows = column([i for i, b in biased for _ in b], torch.long)
+            t.bias_ids = column([k for _, b in biased for k in b], torch.long)
+            t.bias_values = column([v for _, b in biased for v in b.values()])
         logprobs = list(map(_LOGPROBS, params))
         asked = [] if logprobs.count(None) == n else [i for i, k in enumerate(logprobs) if k is not None]
         if asked:
