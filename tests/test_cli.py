@@ -119,8 +119,9 @@ def test_greedy_output_equals_llm_generate_and_window_bounds_requests(model_dir,
 
 def test_per_line_sampling_params_override_the_flags(model_dir, llm, tmp_path):
     overrides = [{"max_tokens": 3}, {"n": 2, "logprobs": 2}, {"stop_token_ids": [17], "min_tokens": 1},
-                 {"max_tokens": 5, "ignore_eos": True}]
-    rows = [{"id": i, "prompt": TEXTS[i], "sampling_params": o} for i, o in enumerate(overrides)]
+                 {"max_tokens": 5, "ignore_eos": True}, {"logit_bias": {"77": 100}},
+                 {"allowed_token_ids": [11, 200, 301], "bad_words": ["x"], "ignore_eos": True}]
+    rows = [{"id": i, "prompt": TEXTS[i % len(TEXTS)], "sampling_params": o} for i, o in enumerate(overrides)]
     rows.append({"id": "plain", "prompt": TEXTS[5]})
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
@@ -142,6 +143,7 @@ def test_per_line_sampling_params_override_the_flags(model_dir, llm, tmp_path):
                      for e in entry] for entry in got["logprobs"]] == \
                 [[(tid, lp.logprob, lp.rank, lp.decoded_token) for tid, lp in entry.items()] for entry in c.logprobs]
     assert len(records[0]["token_ids"]) == 3 and len(records[3]["token_ids"]) == 5
+    assert records[4]["token_ids"] == [77] * 8 and set(records[5]["token_ids"]) <= {11, 200, 301}
 
 
 def test_bad_lines_go_to_the_errors_file_and_good_lines_succeed(model_dir, tmp_path, capsys):

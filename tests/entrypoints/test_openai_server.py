@@ -101,6 +101,29 @@ SAMPLINGS = [dict(temperature=0, max_tokens=12),
              dict(temperature=1.0, seed=3, n=3, max_tokens=10, presence_penalty=0.5, frequency_penalty=0.3)]
 
 
+def test_token_constraints_equal_offline(client, offline):
+    """logit_bias (OpenAI's string keys), allowed_token_ids and bad_words (vLLM's extras,
+    through extra_body) on both endpoints: the tokens LLM.generate / LLM.chat give."""
+    prompt = PROMPTS[1]
+    cases = [dict(logit_bias={"77": 100}), dict(logit_bias={"5": -100, "300": 4.5}),
+             dict(extra_body={"allowed_token_ids": [11, 200, 301, 999]}), dict(extra_body={"bad_words": ["the", " a"]}),
+             dict(extra_body={"allowed_token_ids": [11, 200, 301], "bad_words": ["x"]}, logit_bias={"200": -100})]
+    for kw in cases:
+        extra = dict(kw.get("extra_body", {}))
+        fields = {**extra, **({"logit_bias": kw["logit_bias"]} if "logit_bias" in kw else {})}
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, **fields)
+        ref = offline.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        got = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=10,
+                                        logit_bias=kw.get("logit_bias"),
+                                        extra_body={**extra, "ignore_eos": True, "return_token_ids": True})
+        assert got.choices[0].token_ids == list(ref.token_ids), kw
+        chat_ref = offline.chat(CHAT, params, use_tqdm=False)[0].outputs[0]
+        chat = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=10,
+                                              logit_bias=kw.get("logit_bias"), extra_body={**extra, "ignore_eos": True})
+        assert chat.choices[0].message.content == chat_ref.text, kw
+    assert set(ref.token_ids) <= {11, 301}
+
+
 @pytest.mark.parametrize("kw", SAMPLINGS)
 def test_completions_equal_offline_and_the_stream_equals_the_whole(client, offline, kw):
     prompt = PROMPTS[3]
@@ -519,7 +542,17 @@ BAD = [  # (path, body or raw bytes, param, part of the message)
      "stream_options", "only allowed with stream"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
      "include_usage", "true or false"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "logit_bias": {"tok": 1}}, "logit_bias",
+     "must be token ids"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias",
+     "outside the vocabulary"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "allowed_token_ids": []}, "allowed_token_ids", "empty"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "allowed_token_ids": [3, 10**6]},
+     "allowed_token_ids", "outside the vocabulary"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "bad_words": [""]}, "bad_words", "non-empty string"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "bad_words": "x" * 300}, "bad_words",
+     "at most 256"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "cache_salt": "a"},
      "cache_salt", "not supported"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, "echo", "prompt_logprobs"),
@@ -578,7 +611,8 @@ def test_fuzzed_requests_never_break_the_server(server):
     fields = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
               "stop", "seed", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "stream",
               "stream_options", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
-              "stop_token_ids", "echo", "best_of", "logit_bias", "user", "tools", "response_format"]
+              "stop_token_ids", "echo", "best_of", "logit_bias", "user", "tools", "response_format",
+              "allowed_token_ids", "bad_words"]
     statuses = {}
     for i in range(150):
         path = "/v1/completions" if i % 2 else "/v1/chat/completions"

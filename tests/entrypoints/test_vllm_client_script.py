@@ -360,9 +360,10 @@ def _():
     assert completion(prompt=long, max_tokens=2).usage.prompt_tokens_details.cached_tokens > 0
 
 
-@call("completions: logit_bias", bad("logit_bias"))
+@call("completions: logit_bias")
 def _():
-    completion(logit_bias={"5": 10}, max_tokens=4)
+    assert completion(logit_bias={"5": 100}, max_tokens=4, extra_body={"return_token_ids": True}
+                      ).choices[0].token_ids == [5] * 4
 
 
 @call("completions: prompt_logprobs", bad("prompt_logprobs"))
@@ -390,9 +391,11 @@ def _():
     completion(max_tokens=4, extra_body={"use_beam_search": True})
 
 
-@call("completions: allowed_token_ids", bad("allowed_token_ids"))
+@call("completions: allowed_token_ids")
 def _():
-    completion(max_tokens=4, extra_body={"allowed_token_ids": [5, 6]})
+    ids = completion(max_tokens=4, extra_body={"allowed_token_ids": [5, 6], "return_token_ids": True}
+                     ).choices[0].token_ids
+    assert set(ids) <= {5, 6}
 
 
 @call("completions: max_tokens above max_model_len", bad("max_tokens"))
@@ -600,7 +603,7 @@ def _():
          max_tokens=4)
 
 
-@call("chat: logit_bias", bad("logit_bias"))
+@call("chat: logit_bias")
 def _():
     chat(logit_bias={"5": 1}, max_tokens=4)
 

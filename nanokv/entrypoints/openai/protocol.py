@@ -131,15 +131,12 @@ def _off(*values) -> Callable[[Any, dict], bool]:
 _SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
              "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
              "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-             "truncate_prompt_tokens")
+             "truncate_prompt_tokens", "logit_bias", "allowed_token_ids", "bad_words")
 
 # Known fields nanokv does not implement: accepted only when they ask for nothing.
 _UNSUPPORTED_COMMON = {
-    "logit_bias": _off(None, {}),
     "prompt_logprobs": _off(None),
     "use_beam_search": _off(None, False),
-    "allowed_token_ids": _off(None),
-    "bad_words": _off(None, []),
     "logits_processors": _off(None, []),
     "structured_outputs": _off(None),
     "guided_json": _off(None), "guided_regex": _off(None), "guided_choice": _off(None),
