@@ -154,3 +154,16 @@ def test_ids_outside_the_vocabulary_are_refused_by_name(llm, kwargs, match):
     with pytest.raises(ValueError, match=match):
         llm.generate([5, 6], SamplingParams(**kwargs), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_logprobs_are_those_of_the_masked_distribution(llm, hf):
+    """The mask comes before logprobs: each token's logprob is transformers' log-softmax over
+    the allowed tokens alone, and a banned token among the top N is -inf."""
+    prompt = random_prompts([11], 1024, seed=44)[0]
+    allowed = [3, 50, 700]
+    out = llm.generate(prompt, greedy(6, allowed_token_ids=allowed, logprobs=4), use_tqdm=False)[0].outputs[0]
+    ref = torch.log_softmax(hf_logits(hf, prompt, list(out.token_ids))[:, allowed], dim=1)
+    for pos, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert entry[token].logprob == pytest.approx(ref[pos, allowed.index(token)].item(), abs=1e-4)
+        assert entry[token].rank == 1
+        assert sorted(t for t, lp in entry.items() if lp.logprob > float("-inf")) == allowed
