@@ -69,6 +69,9 @@ def test_allowed_token_ids_sampled_n_and_seeds_under_preemption(model_dir, llm):
     assert tight.kv_stats().num_preemptions > 0
     # a prefix hit (the same prompt again) changes nothing either
     assert ids(llm.generate(prompts, params, use_tqdm=False)) == roomy
+    # nor prompts prefilled in chunks of 8 tokens beside decoding rows (masks only on sampled rows)
+    chunked = LLM(model_dir, max_num_batched_tokens=8, **POOL)
+    assert ids(chunked.generate(prompts, params, use_tqdm=False)) == roomy
 
 
 def test_logit_bias_forces_and_bans_under_greedy(llm, hf):
