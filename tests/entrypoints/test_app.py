@@ -149,7 +149,7 @@ def test_unknown_routes_and_methods_get_error_objects(offline):
     missing, method, model = run(main())
     check_error(missing, 404, "/v1/completions")
     check_error(method, 405, "Method Not Allowed")
-    check_error(model, 404, "'other'")
+    check_error(model, 404, "The model `other` does not exist.")
 
 
 def test_serve_without_its_packages_names_the_pip_command(monkeypatch, capsys):
