@@ -194,6 +194,8 @@ class LLMEngine:
         self._check_params(params)
         if params.logprobs == -1:
             params.logprobs = self.vocab_size
+        if params.prompt_logprobs == -1:
+            params.prompt_logprobs = self.vocab_size
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt is empty; give at least one token")
@@ -238,13 +240,15 @@ class LLMEngine:
         """The bounds that depend on the model (SamplingParams checks the rest itself)."""
         vocab, most = self.vocab_size, self.config.max_logprobs
         allowed = vocab if most == -1 else min(most, vocab)
-        if params.logprobs == -1:  # vLLM: the whole vocabulary, if max_logprobs allows that many
-            if most != -1 and most < vocab:
-                raise ValueError(f"logprobs=-1 asks for the whole vocabulary ({vocab} tokens) but max_logprobs is "
-                                 f"{most}; raise max_logprobs to {vocab} or ask for fewer")
-        elif params.logprobs is not None and params.logprobs > allowed:
-            raise ValueError(f"logprobs={params.logprobs} is more than the {allowed} allowed "
-                             f"(max_logprobs={most}, vocabulary {vocab}); ask for fewer or raise max_logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k == -1:  # vLLM: the whole vocabulary, if max_logprobs allows that many
+                if most != -1 and most < vocab:
+                    raise ValueError(f"{name}=-1 asks for the whole vocabulary ({vocab} tokens) but max_logprobs "
+                                     f"is {most}; raise max_logprobs to {vocab} or ask for fewer")
+            elif k is not None and k > allowed:
+                raise ValueError(f"{name}={k} is more than the {allowed} allowed "
+                                 f"(max_logprobs={most}, vocabulary {vocab}); ask for fewer or raise max_logprobs")
         if params.top_k > vocab:
             raise ValueError(f"top_k={params.top_k} exceeds the vocabulary size {vocab}; "
                              f"use -1 (off) or a value in [1, {vocab}]")
@@ -517,6 +521,8 @@ class LLMEngine:
             kept.num_tokens += len(item.token_ids)
             output.sampled_token_ids += out.sampled_token_ids
             logprobs += out.logprobs or [None] * len(out.sampled_token_ids)
+            if out.prompt_logprobs:
+                output.prompt_logprobs = {**(output.prompt_logprobs or {}), **out.prompt_logprobs}
         output.logprobs = logprobs if any(lp is not None for lp in logprobs) else None
         return kept, output, failed
 

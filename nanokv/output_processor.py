@@ -52,6 +52,7 @@ class RequestState:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
     cumulative: bool = False  # a streaming request whose outputs are the whole output so far
     so_far: RequestOutput | None = None  # cumulative: the last output
+    sent_prompt_logprobs: bool = False  # streaming: prompt_logprobs went out (in the first delta, as vLLM)
 
     @property
     def finished(self) -> bool:
@@ -148,7 +149,8 @@ class OutputProcessor:
         outputs = [self._completion(req, i, self._text(req, i), seq.output_token_ids, 0)
                    for i, seq in enumerate(req.seqs)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, finished=True,
-                             metrics=req.metrics, num_cached_tokens=req.num_cached_tokens)
+                             metrics=req.metrics, num_cached_tokens=req.num_cached_tokens,
+                             prompt_logprobs=self._prompt_logprobs(req))
 
     def _delta_output(self, req: RequestState) -> RequestOutput:
         outputs = []
@@ -164,14 +166,32 @@ class OutputProcessor:
             outputs.append(self._completion(req, i, text[state.sent_chars:], ids, state.sent_tokens))
             state.sent_chars, state.sent_tokens = len(text), seq.num_output_tokens
             state.sent_final = seq.is_finished
+        prompt_logprobs = None
+        if not req.sent_prompt_logprobs and outputs:
+            prompt_logprobs = self._prompt_logprobs(req)
+            req.sent_prompt_logprobs = prompt_logprobs is not None
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs,
-                             finished=req.finished, metrics=req.metrics, num_cached_tokens=req.num_cached_tokens)
+                             finished=req.finished, metrics=req.metrics, num_cached_tokens=req.num_cached_tokens,
+                             prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, req: RequestState) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's prompt_logprobs: None for the first prompt token, then {token id: Logprob}
+        with the prompt token and the top-N at each position (None: not asked, or the
+        request failed before its prompt was scored)."""
+        scored = req.seqs[0].prompt_logprobs if req.seqs else None
+        if scored is None or len(scored) < len(req.prompt_token_ids) - 1:
+            return None
+        return [None] + self._entries(req.prompt_token_ids[1:], scored, req.params.detokenize)
 
     def _format_logprobs(self, seq: Sequence, start: int, detokenize: bool = True) -> list[dict[int, Logprob]]:
         """vLLM's shape: per generated token, {token id: Logprob} with the top-N and the
         sampled token (decoded_token None without detokenize)."""
+        return self._entries(seq.output_token_ids[start:], seq.logprobs[start:], detokenize)
+
+    def _entries(self, tokens: list[int], logprobs: list, detokenize: bool) -> list[dict[int, Logprob]]:
+        """{token id: Logprob} per token: the top-N, then the token itself (with its rank)."""
         result = []
-        for token, lp in zip(seq.output_token_ids[start:], seq.logprobs[start:]):
+        for token, lp in zip(tokens, logprobs):
             entry = {tid: Logprob(val, rank) for rank, (tid, val) in enumerate(zip(lp.top_ids, lp.top_logprobs), 1)}
             entry.setdefault(token, Logprob(lp.logprob, lp.rank))
             result.append(entry)
@@ -197,7 +217,8 @@ def accumulate(so_far: RequestOutput | None, delta: RequestOutput) -> RequestOut
             logprobs = old.logprobs if c.logprobs is None else (old.logprobs or []) + c.logprobs
             samples[c.index] = dataclasses.replace(c, text=old.text + c.text, token_ids=old.token_ids + c.token_ids,
                                                    logprobs=logprobs)
-    return dataclasses.replace(delta, outputs=[samples[i] for i in sorted(samples)])
+    prompt_logprobs = delta.prompt_logprobs if so_far is None or delta.prompt_logprobs else so_far.prompt_logprobs
+    return dataclasses.replace(delta, outputs=[samples[i] for i in sorted(samples)], prompt_logprobs=prompt_logprobs)
 
 
 class StopStrings:

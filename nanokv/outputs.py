@@ -118,7 +118,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    prompt_logprobs: None = None  # not computed by nanokv (kept for vLLM compatibility)
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then {token id: Logprob}
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None  # why the request failed in a step (its samples end with "error")
     metrics: RequestMetrics | None = None  # the request's times so far (the same object in each delta)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission

@@ -48,13 +48,13 @@ class RequestOutputKind(enum.Enum):
 # is accepted, anything else refused by name (not reported as an unknown field).
 _NOT_YET = {
     "structured_outputs": "structured outputs", "guided_decoding": "structured outputs",
-    "prompt_logprobs": "prompt logprobs", "logits_processors": "custom logits processors",
+    "logits_processors": "custom logits processors",
 }
 # vLLM V0's beam-search fields and their "off" values
 _BEAM_SEARCH_OFF = {"use_beam_search": (None, False), "length_penalty": (None, 1.0), "early_stopping": (None, False)}
 # Fields where None is a value of its own; from_optional keeps None there.
-_NONE_IS_A_VALUE = ("seed", "max_tokens", "stop", "stop_token_ids", "logprobs", "truncate_prompt_tokens",
-                    "extra_args")
+_NONE_IS_A_VALUE = ("seed", "max_tokens", "stop", "stop_token_ids", "logprobs", "prompt_logprobs",
+                    "truncate_prompt_tokens", "extra_args")
 
 
 @dataclass
@@ -79,6 +79,11 @@ class SamplingParams:
     frequency_penalty (subtracted per generated occurrence; 0: off; within
     +-MAX_ADDITIVE_PENALTY).
     logprobs=-1: the whole vocabulary (allowed when the engine's max_logprobs covers it).
+    prompt_logprobs: per prompt token after the first, its logprob, rank and the top-N
+        (0: the prompt token's alone; -1: the whole vocabulary, as logprobs) under the
+        model's raw logits at the position before it (log_softmax before penalties and
+        temperature, as vLLM). Bounded by max_logprobs. Such a request computes its whole
+        prompt (no prefix-cache hits: cached positions have no logits).
     truncate_prompt_tokens: keep only the last k prompt tokens (-1: as many as
         max_model_len leaves room for, max_model_len - 1; None: no truncation).
     detokenize=False: no text (CompletionOutput.text is ""), token ids only; stop strings
@@ -126,6 +131,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, 1, MAX_N)
@@ -144,6 +150,9 @@ class SamplingParams:
         self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
         if self.logprobs is not None:
             self.logprobs = _int("logprobs", self.logprobs, -1, _MAX_INT, "-1 means the whole vocabulary")
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, -1, _MAX_INT,
+                                        "-1 means the whole vocabulary")
         self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY,
                                           MAX_REPETITION_PENALTY, "1 means off")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -178,7 +187,7 @@ class SamplingParams:
     def from_optional(cls, **kwargs) -> "SamplingParams":
         """vLLM's constructor for optional values: a field given as None takes its default,
         except where None is a value of its own (max_tokens=None: up to max_model_len; seed,
-        stop, stop_token_ids, logprobs, truncate_prompt_tokens, extra_args)."""
+        stop, stop_token_ids, logprobs, prompt_logprobs, truncate_prompt_tokens, extra_args)."""
         return cls(**{k: v for k, v in kwargs.items() if v is not None or k in _NONE_IS_A_VALUE})
 
     def clone(self) -> "SamplingParams":

@@ -209,8 +209,7 @@ def test_unknown_sampling_field_names_the_closest():
 
 
 @pytest.mark.parametrize("name, value", [
-    ("structured_outputs", object()), ("guided_decoding", object()), ("prompt_logprobs", 1),
-    ("logits_processors", [print]),
+    ("structured_outputs", object()), ("guided_decoding", object()), ("logits_processors", [print]),
 ])
 def test_constraint_fields_are_refused_by_name_until_implemented(name, value):
     with pytest.raises(ValueError, match=f"^{name} is not supported yet by nanokv"):

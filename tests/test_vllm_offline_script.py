@@ -302,8 +302,9 @@ def run_script(h: Harness, tmp_path) -> None:  # noqa: PLR0915 - a script, call 
     c("RequestOutputKind.CUMULATIVE / DELTA / FINAL_ONLY",
       lambda: [k.value for k in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY)],
       lambda v: _true(v == [0, 1, 2]))
-    c("SamplingParams(prompt_logprobs=1)", lambda: SamplingParams(prompt_logprobs=1), expect=UNSUPPORTED,
-      names="prompt_logprobs")
+    c("SamplingParams(prompt_logprobs=1)",
+      lambda: llm.generate(PROMPTS[0], SamplingParams(prompt_logprobs=1, max_tokens=1), use_tqdm=False),
+      lambda v: _true(v[0].prompt_logprobs[0] is None and len(v[0].prompt_logprobs) == len(v[0].prompt_token_ids)))
     c("generate with SamplingParams(logit_bias={...})",
       lambda: llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, logit_bias={10: 100.0}),
                            use_tqdm=False),

@@ -148,8 +148,10 @@ class Scheduler:
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.popleft()
-            cached = bm.find_cached_prefix(seq)
-            if bm.waits_for_in_flight(seq, len(cached)):
+            # a prompt to score computes every position: cached blocks hold K/V but no logits
+            scoring = seq.scores_prompt
+            cached = [] if scoring else bm.find_cached_prefix(seq)
+            if not scoring and bm.waits_for_in_flight(seq, len(cached)):
                 deferred.append(seq)
                 continue
             # A prompt entirely in cache still recomputes its last token, for its logits.
@@ -186,6 +188,11 @@ class Scheduler:
             num_prompt_tokens=seq.num_prompt_tokens,
             constraint=seq.constraint,
         ))
+        if seq.prompt_logprobs is not None:
+            item = batch.seqs[-1]
+            item.prompt_logprobs, item.prompt_logprobs_from = seq.params.prompt_logprobs, len(seq.prompt_logprobs)
+            if not item.prompt_positions():
+                item.prompt_logprobs = None
         batch.num_tokens += n
 
     def _preempt(self, seq: Sequence) -> None:
@@ -224,6 +231,8 @@ class Scheduler:
             computed = seq.num_computed_tokens = seq.num_computed_tokens + len(item.token_ids)
             if cache_from is not None and computed >= (seq.num_hashed_blocks + 1) * cache_from:
                 bm.cache_full_blocks(seq)
+            if item.prompt_logprobs is not None:
+                seq.prompt_logprobs += output.prompt_logprobs[item.seq_id]
             if item.sample:
                 token = next(sampled)
                 tokens = seq.token_ids

@@ -32,6 +32,7 @@ class Sequence:
         "block_table", "block_hashes", "num_hashed_blocks", "status", "params", "max_tokens",
         "stop_token_ids", "finish_reason", "stop_reason", "num_cached_tokens",
         "index", "seed", "logprobs", "cumulative_logprob", "token_limit", "stoppers", "constraint",
+        "prompt_logprobs",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -59,6 +60,14 @@ class Sequence:
         self.cumulative_logprob = 0.0
         # a token mask for its sampled rows (nanokv.constraints; opaque here), or None
         self.constraint = constraint
+        # the first sample of a request with params.prompt_logprobs scores its prompt: entry i
+        # is prompt token i + 1's TokenLogprobs (None: this sequence does not score)
+        self.prompt_logprobs: list | None = [] if params.prompt_logprobs is not None and index == 0 else None
+
+    @property
+    def scores_prompt(self) -> bool:
+        """It still has prompt tokens to score (it then bypasses the prefix cache)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def num_tokens(self) -> int:

@@ -32,9 +32,14 @@ class ScheduledSeq:
     seed: the sequence's own seed (the request seed plus the sample index), or None.
     num_generated: tokens generated so far (the index of the token sampled now).
     all_token_ids, num_prompt_tokens: the sequence's tokens (its own list, read only),
-        for penalties and token masks; the runner looks at them only when params asks.
+        for penalties, token masks and prompt logprobs; the runner looks at them only when
+        params asks for penalties, a mask or prompt_logprobs.
     constraint: the sequence's token mask (nanokv.constraints, opaque to the engine),
         applied when it samples; None: none.
+    prompt_logprobs: None, or the top-N (params.prompt_logprobs, -1 resolved) of the prompt
+        logprobs this step computes: for each position p of this chunk with
+        prompt_logprobs_from <= p < num_prompt_tokens - 1, the logprob of prompt token p + 1
+        under the raw logits at p. Set only where that range is not empty.
     """
 
     seq_id: int
@@ -48,6 +53,15 @@ class ScheduledSeq:
     all_token_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
     constraint: object | None = None
+    prompt_logprobs: int | None = None
+    prompt_logprobs_from: int = 0
+
+    def prompt_positions(self) -> range:
+        """The positions whose logits score the next prompt token this step."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        return range(max(self.start_pos, self.prompt_logprobs_from),
+                     min(self.start_pos + len(self.token_ids), self.num_prompt_tokens - 1))
 
 
 @dataclass
@@ -92,7 +106,10 @@ class TokenLogprobs:
 @dataclass
 class StepOutput:
     """The runner's answer, for the sampling sequences in batch order: one new token
-    each, and its logprobs where the request asked for them (else None)."""
+    each, and its logprobs where the request asked for them (else None).
+    prompt_logprobs: seq_id -> the prompt tokens' logprobs its ScheduledSeq asked for (in
+    position order), for the sequences that asked (None: none did)."""
 
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None

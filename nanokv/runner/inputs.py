@@ -32,8 +32,8 @@ from nanokv.attention import AttentionMetadata
 from nanokv.engine.types import ScheduledBatch
 from nanokv.layers.sampler import list_tensor
 
-_SEQ_ID, _BLOCK_TABLE, _START_POS, _TOKEN_IDS, _SAMPLE = (
-    attrgetter(f) for f in ("seq_id", "block_table", "start_pos", "token_ids", "sample"))
+_SEQ_ID, _BLOCK_TABLE, _START_POS, _TOKEN_IDS, _SAMPLE, _PROMPT_LOGPROBS = (
+    attrgetter(f) for f in ("seq_id", "block_table", "start_pos", "token_ids", "sample", "prompt_logprobs"))
 _ALIGN = 16  # int32 words: every section starts on a 64-byte boundary (Triton specialises on alignment)
 _PREFILL_KEY = 1 << 40  # sort key offset: decodes (by context) before prefill chunks (by length)
 
@@ -44,7 +44,9 @@ class StepInputs(NamedTuple):
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    logits_rows: torch.Tensor | None  # [N] rows whose logits are sampled, in batch order
+    # [N] rows whose logits are computed: the sampled ones in batch order, then the rows that
+    # score prompt tokens (ScheduledSeq.prompt_positions, batch order, position order)
+    logits_rows: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -260,7 +262,8 @@ class StepPacker:
         width = max(lens, default=0)
         starts = list(map(_START_POS, seqs))
         ids = list(chain.from_iterable(map(_TOKEN_IDS, seqs)))
-        if len(ids) == len(seqs) and self.decode_fast_path:
+        scoring = list(map(_PROMPT_LOGPROBS, seqs)).count(None) != len(seqs)  # one C-level pass
+        if len(ids) == len(seqs) and self.decode_fast_path and not scoring:
             return self._pack_decodes(seqs, rows, starts, ids, writes, width, tables, batch.index)
         return self._pack_general(seqs, rows, starts, ids, writes, width)
 
@@ -362,6 +365,8 @@ class StepPacker:
         bs = self.block_size
         slots = self.rows.table[rows_s[owner], positions // bs].long() * bs + positions % bs
         logits_rows = (cu[1:] - 1)[order.argsort()][torch.tensor([s.sample for s in seqs])]
+        if any(s.prompt_logprobs is not None for s in seqs):
+            logits_rows = torch.cat([logits_rows, *_prompt_rows(seqs, cu[:-1][order.argsort()])])
         seq_lens_list = seq_lens.tolist()
         sizes = StepSizes(num_tokens, num_seqs, q_lens.count(1), logits_rows.numel(), len(writes[0]), width,
                           max(q_lens), max(seq_lens_list))
@@ -383,6 +388,18 @@ class StepPacker:
         _packer_of(sizes).pack_into((ctypes.c_char * (4 * lay.total)).from_address(buf.data_ptr()), 0,
                                     *chain.from_iterable(sections))
         return buf
+
+
+def _prompt_rows(seqs, first: torch.Tensor) -> list[torch.Tensor]:
+    """The step-order rows whose logits score prompt tokens: each scoring sequence's
+    prompt_positions, where first[i] is the step row of sequence i's first token."""
+    rows = []
+    for i, s in enumerate(seqs):
+        positions = s.prompt_positions()
+        if positions:
+            at = int(first[i]) - s.start_pos
+            rows.append(torch.arange(positions.start + at, positions.stop + at))
+    return rows
 
 
 def unpack_step(packed: PackedStep, table: torch.Tensor, apply_writes: bool = True) -> StepInputs:

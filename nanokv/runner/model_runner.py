@@ -205,12 +205,18 @@ class ModelRunner:
         if logits is None:
             return StepOutput()
         rows = batch.seqs if batch.continues else [s for s in batch.seqs if s.sample]
+        prompt = None
+        if logits.shape[0] > len(rows):  # rows that score prompt tokens follow the sampled ones
+            prompt = prompt_logprobs(logits[len(rows):], batch.seqs)
+            logits = logits[:len(rows)]
+            if not rows:
+                return StepOutput(prompt_logprobs=prompt)
         t = self._sampling_tensors(rows, logits.shape[-1], batch.index, batch.continues)
         out = self.sampler(logits, t, self.generator)
         tokens = out.tokens.cpu()
         if self._packer is not None:  # what the next batch computes, should it continue this one
             self._packer.sampled = (batch.index, tokens) if len(rows) == len(batch.seqs) else None
-        return StepOutput(tokens.tolist(), _logprobs(rows, out))
+        return StepOutput(tokens.tolist(), _logprobs(rows, out), prompt)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -405,4 +411,39 @@ def _logprobs(rows: list[ScheduledSeq], out: SamplerOutput) -> list[TokenLogprob
             continue
         ids, lps = (next(top_ids), next(top_lp)) if top_ids is not None else ([], [])
         result.append(TokenLogprobs(next(lp), next(ranks), ids[:n], lps[:n]))
+    return result
+
+
+_SCORE_ROWS = 256  # prompt-scoring rows per log_softmax: bounds its float32 copy to this many x vocab
+
+
+def prompt_logprobs(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> dict[int, list[TokenLogprobs]]:
+    """Each scoring sequence's prompt TokenLogprobs from the raw logits of its
+    prompt_positions ([R, vocab], the rows in batch and position order, as the step packed
+    them): log_softmax before any penalty or temperature, as vLLM's prompt logprobs."""
+    scoring = [(s, s.prompt_positions()) for s in seqs if s.prompt_logprobs is not None]
+    targets = [t for s, r in scoring for t in s.all_token_ids[r.start + 1:r.stop + 1]]
+    assert len(targets) == logits.shape[0], "the step's scoring rows and its sequences disagree"
+    k = min(max(s.prompt_logprobs for s, _ in scoring), logits.shape[1])
+    target = torch.tensor(targets, dtype=torch.long, device=logits.device)
+    picked, ranks, top_lp, top_ids = [], [], [], []
+    for a in range(0, len(targets), _SCORE_ROWS):
+        lp = logits[a:a + _SCORE_ROWS].float().log_softmax(dim=-1)  # [r, vocab]
+        mine = lp.gather(1, target[a:a + _SCORE_ROWS, None])  # [r, 1]
+        picked.append(mine.squeeze(1))
+        ranks.append((lp > mine).sum(dim=1) + 1)
+        if k > 0:
+            vals, ids = lp.topk(k, dim=1)
+            top_lp.append(vals)
+            top_ids.append(ids)
+    lps, rks = torch.cat(picked).tolist(), torch.cat(ranks).tolist()
+    tids = torch.cat(top_ids).tolist() if k > 0 else None
+    tlps = torch.cat(top_lp).tolist() if k > 0 else None
+    result, at = {}, 0
+    for s, r in scoring:
+        n, entries = s.prompt_logprobs, []
+        for j in range(at, at + len(r)):
+            entries.append(TokenLogprobs(lps[j], rks[j], tids[j][:n] if n else [], tlps[j][:n] if n else []))
+        result[s.seq_id] = entries
+        at += len(r)
     return result
