@@ -366,9 +366,10 @@ def _():
                       ).choices[0].token_ids == [5] * 4
 
 
-@call("completions: prompt_logprobs", bad("prompt_logprobs"))
+@call("completions: prompt_logprobs")
 def _():
-    completion(max_tokens=4, extra_body={"prompt_logprobs": 1})
+    r = completion(max_tokens=4, extra_body={"prompt_logprobs": 1})
+    assert r.choices[0].prompt_logprobs[0] is None and len(r.choices[0].prompt_logprobs) == r.usage.prompt_tokens
 
 
 @call("completions: response_format json_object", bad("response_format"))
@@ -985,9 +986,9 @@ def test_completions_echo_puts_each_prompt_before_its_answers(clients):
     assert completion(prompt=ids, echo=True, **GREEDY).choices[0].text == clients.detok(ids) + plain_ids
     two = completion(prompt=["Hi", PROMPT], n=2, echo=True, **GREEDY).choices
     assert [c.text.startswith(p) for c, p in zip(two, ["Hi", "Hi", PROMPT, PROMPT])] == [True] * 4
-    with pytest.raises(openai.BadRequestError, match="prompt_logprobs") as e:
-        completion(echo=True, logprobs=1, **GREEDY)
-    assert e.value.body["param"] == "echo"
+    r = completion(echo=True, logprobs=1, **GREEDY)  # the prompt's logprobs first, then the answer's
+    assert r.choices[0].text == PROMPT + plain and r.choices[0].logprobs.token_logprobs[0] is None
+    assert len(r.choices[0].logprobs.tokens) == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
 def test_chat_echo_starts_the_answer_with_a_continued_message(clients):

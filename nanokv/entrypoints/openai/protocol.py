@@ -103,6 +103,9 @@ class GenerationRequest:
     # vLLM's add_special_tokens (completions: default true; chat: false, the template holds them)
     add_special_tokens: bool = True
     return_token_ids: bool = False  # vLLM's: token_ids on each choice, the prompt's prompt_token_ids
+    # completions' echo with max_tokens=0 (vLLM's prompt scoring, as lm-eval sends): the engine
+    # generates one token, which the answer leaves out; the choice is the scored prompt alone
+    score_only: bool = False
 
 
 @dataclass
@@ -131,11 +134,10 @@ def _off(*values) -> Callable[[Any, dict], bool]:
 _SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
              "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
              "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-             "truncate_prompt_tokens", "logit_bias", "allowed_token_ids", "bad_words")
+             "truncate_prompt_tokens", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs")
 
 # Known fields nanokv does not implement: accepted only when they ask for nothing.
 _UNSUPPORTED_COMMON = {
-    "prompt_logprobs": _off(None),
     "use_beam_search": _off(None, False),
     "logits_processors": _off(None, []),
     "structured_outputs": _off(None),
@@ -182,19 +184,24 @@ def parse_completion(body: dict, settings: ServerSettings, limits: Limits,
     # unset: the model's default, else OpenAI's and vLLM's 16 tokens; an explicit null means
     # up to max_model_len
     kwargs["max_tokens"] = body["max_tokens"] if "max_tokens" in body else _unset_max_tokens(defaults, limits, 16)
+    echo = _get(body, "echo", bool, "true or false", False)
+    # vLLM's prompt scoring: echo with max_tokens=0 returns the prompt alone (one token is
+    # generated and left out, so the request still runs through the sampler once)
+    score_only = echo and type(kwargs["max_tokens"]) is int and kwargs["max_tokens"] == 0
+    if score_only:
+        kwargs["max_tokens"] = 1
     logprobs = body.get("logprobs")
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
+        if echo and kwargs.get("prompt_logprobs") is None:  # the echoed prompt's logprobs (vLLM's rule)
+            kwargs["prompt_logprobs"] = logprobs
     names = {"max_tokens": "max_tokens", "logprobs": "logprobs"}
     params = _sampling_params(kwargs, names)
     limits.check_max_tokens(params, "max_tokens")
     stream, include_usage, continuous = _stream(body)
-    echo = _get(body, "echo", bool, "true or false", False)
-    if echo and params.logprobs is not None:
-        raise bad_request("echo with logprobs asks for the prompt's logprobs too, which nanokv does not compute "
-                          "(prompt_logprobs is not supported); drop echo or logprobs", "echo")
     return GenerationRequest(model, prompts, params, stream, include_usage, continuous, params.logprobs,
                              {"prompt": "prompt", **names}, _tokens_as_ids(body, settings), echo=echo,
+                             score_only=score_only,
                              add_special_tokens=_get(body, "add_special_tokens", bool, "true or false", True),
                              return_token_ids=_get(body, "return_token_ids", bool, "true or false", False))
 

@@ -12,6 +12,7 @@ cancelled, or disconnected.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -331,6 +332,10 @@ class _Answer:
         if gen.echo:
             self.echo = [gen.echo_text if chat else r.prompt if isinstance(r.prompt, str)
                          else tokenizer.decode(r.prompt_token_ids) for r in reqs]
+        # completions' echo with logprobs: the prompt's logprobs come first (they arrive with
+        # the request's first output, so a streamed echo waits for it)
+        self.echo_logprobs = gen.echo and not chat and gen.logprobs is not None
+        self.prompt_logprobs: list[list | None] = [None] * len(reqs)  # per prompt, once it came
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.gen.model,
@@ -343,28 +348,57 @@ class _Answer:
             if out.error is not None:
                 raise _engine_failure(self.id, out.error)
             self.usage.note(out)
+            self._note_prompt_logprobs(out)
             for c in out.outputs:
-                choices[self.base[out.request_id] + c.index].add(c)
+                choices[self.base[out.request_id] + c.index].add(self._scored(c))
         self.usage.completion_tokens = sum(len(ch.token_ids) for ch in choices)
         body = self._envelope("chat.completion" if self.chat else "text_completion",
                               [self._whole_choice(i, ch) for i, ch in enumerate(choices)])
         body["usage"] = self.usage.as_dict()
         if self.chat and self.gen.return_token_ids:
             body["prompt_token_ids"] = self.prompt_ids[0]
+        if self.chat and self.gen.params.prompt_logprobs is not None:  # vLLM's place: the top level
+            body["prompt_logprobs"] = _vllm_prompt_logprobs(self.prompt_logprobs[0])
         return body
+
+    def _note_prompt_logprobs(self, out) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[self.base[out.request_id] // self.gen.params.n] = out.prompt_logprobs
+
+    def _scored(self, c: CompletionOutput) -> CompletionOutput:
+        """A score-only answer (echo, max_tokens=0) leaves out the one token generated."""
+        if not self.gen.score_only:
+            return c
+        return dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [])
+
+    def _prompt_part(self, index: int) -> tuple[list[int], list]:
+        """The echoed prompt's token ids and logprob entries (None first) for choice index."""
+        prompt = index // self.gen.params.n
+        return self.prompt_ids[prompt], self.prompt_logprobs[prompt] or []
 
     def _whole_choice(self, index: int, ch: _Choice) -> dict:
         text = self.echo[index // self.gen.params.n] + "".join(ch.texts)
         logprobs = None
         if self.gen.logprobs is not None:
-            logprobs = (self._chat_logprobs(ch.token_ids, ch.logprobs) if self.chat
-                        else self._completion_logprobs(ch.token_ids, ch.logprobs, 0)[0])
+            if self.chat:
+                logprobs = self._chat_logprobs(ch.token_ids, ch.logprobs)
+            elif self.echo_logprobs:
+                ids, entries = self._prompt_part(index)
+                logprobs = self._completion_logprobs(ids + ch.token_ids, entries + ch.logprobs, 0)[0]
+            else:
+                logprobs = self._completion_logprobs(ch.token_ids, ch.logprobs, 0)[0]
+        if not self.chat and self.gen.params.prompt_logprobs is not None:
+            choice_prompt_logprobs = _vllm_prompt_logprobs(self.prompt_logprobs[index // self.gen.params.n])
+        else:
+            choice_prompt_logprobs = None
         if self.chat:
             choice = {"index": index, "message": {"role": self.gen.role, "content": text, "tool_calls": []},
                       "logprobs": logprobs, "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": ch.finish_reason,
                       "stop_reason": ch.stop_reason}
+            if choice_prompt_logprobs is not None:  # vLLM's place for completions: each choice
+                choice["prompt_logprobs"] = choice_prompt_logprobs
         return self._with_token_ids(choice, index, ch.token_ids)
 
     def _with_token_ids(self, choice: dict, index: int, token_ids: list[int]) -> dict:
@@ -397,7 +431,7 @@ class _Answer:
                 yield b"".join(chunk([{"index": i, "delta": {"role": gen.role, "content": ""},
                                        "logprobs": None, "finish_reason": None}], **(ids if i == 0 else {}))
                                for i in range(self.num_choices))
-            if gen.echo:  # the echoed text first, one chunk per choice
+            if gen.echo and not self.echo_logprobs:  # the echoed text first, one chunk per choice
                 yield b"".join(chunk([self._echo_choice(i)]) for i in range(self.num_choices)
                                if self.echo[i // gen.params.n])
             while outputs := await stream.next_outputs():
@@ -407,7 +441,11 @@ class _Answer:
                         yield _sse(_engine_failure(self.id, out.error).body()) + _DONE
                         return
                     self.usage.note(out)
-                    for c in out.outputs:
+                    if self.echo_logprobs and out.prompt_logprobs is not None:  # the echo, with its logprobs
+                        self._note_prompt_logprobs(out)
+                        base = self.base[out.request_id]
+                        parts += [chunk([self._echo_choice(i, offsets)]) for i in range(base, base + gen.params.n)]
+                    for c in map(self._scored, out.outputs):
                         index = self.base[out.request_id] + c.index
                         self.usage.completion_tokens += len(c.token_ids)
                         with_logprobs = gen.logprobs is not None and bool(c.token_ids)
@@ -429,11 +467,14 @@ class _Answer:
             yield _sse(body)
         yield _DONE
 
-    def _echo_choice(self, index: int) -> dict:
+    def _echo_choice(self, index: int, offsets: list[int] | None = None) -> dict:
         text = self.echo[index // self.gen.params.n]
         if self.chat:
             return {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+        logprobs = None
+        if offsets is not None:
+            logprobs, offsets[index] = self._completion_logprobs(*self._prompt_part(index), 0)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
 
     def _delta_choice(self, index: int, c: CompletionOutput, offsets: list[int], with_logprobs: bool) -> dict:
         logprobs = None
@@ -460,6 +501,12 @@ class _Answer:
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for token_id, entry in zip(token_ids, entries):
             tokens.append(name(token_id))
+            offsets.append(offset)
+            offset += len(self.token_text(token_id))
+            if entry is None:  # a prompt's first token: nothing before it to score it
+                token_logprobs.append(None)
+                tops.append(None)
+                continue
             token_logprobs.append(_logprob(entry[token_id].logprob))
             top: dict[str, float] = {}
             for t, lp in entry.items():  # two tokens with one text (partial characters): keep the likelier
@@ -467,8 +514,6 @@ class _Answer:
                 if value > top.get(key, -math.inf):
                     top[key] = value
             tops.append(top)
-            offsets.append(offset)
-            offset += len(self.token_text(token_id))
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
                 "text_offset": offsets}, offset
 
@@ -486,3 +531,13 @@ class _Answer:
                          key=lambda x: x[1].rank)
             content.append({**item(token_id, entry[token_id]), "top_logprobs": [item(t, lp) for t, lp in top]})
         return {"content": content}
+
+
+def _vllm_prompt_logprobs(entries: list | None) -> list | None:
+    """RequestOutput.prompt_logprobs as vLLM's responses carry it: per prompt token, null
+    (the first) or {token id: {"logprob", "rank", "decoded_token"}}."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": _logprob(lp.logprob), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in e.items()}
+            for e in entries]
