@@ -9,6 +9,7 @@ from collections import Counter
 from nanokv.engine.block_manager import BlockManager
 from nanokv.engine.scheduler import Scheduler, SchedulerConfig
 from nanokv.engine.sequence import Sequence, SequenceStatus
+from nanokv.engine.types import ScheduledBatch, StepOutput, TokenLogprobs
 from nanokv.sampling_params import SamplingParams
 
 from .fake_runner import FakeRunner, reference_generate
@@ -342,3 +343,34 @@ def test_decode_batches_continue_the_one_before_until_the_running_set_changes():
             assert not flags[-1]
     assert late.finish_reason == "length" and seqs[0].output_token_ids == reference_generate(
         seqs[0].token_ids[:seqs[0].num_prompt_tokens], 20)
+
+
+class ScoringRunner(FakeRunner):
+    """FakeRunner that also answers prompt logprobs: the logprob of position p's entry is p."""
+
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        out = super().execute(batch)
+        scored = {s.seq_id: [TokenLogprobs(float(p), 1, [], []) for p in s.prompt_positions()]
+                  for s in batch.seqs if s.prompt_logprobs is not None}
+        out.prompt_logprobs = scored or None
+        return out
+
+
+def test_prompt_scoring_skips_the_prefix_cache_and_scores_each_position_once_across_preemption():
+    sched, _ = make_engine(budget=8)
+    runner = ScoringRunner(64, 4)
+    prompt = list(range(10, 40))
+    add(sched, prompt, 2)
+    run(sched, runner)  # the prompt's blocks are now cached
+    seq = add(sched, prompt, 3, prompt_logprobs=1, n=2)
+    sibling = Sequence("x", prompt, seq.params, 3, index=1)  # a second sample does not score
+    sched.add(sibling)
+    batch = sched.schedule()
+    sched.update(batch, runner.execute(batch))
+    assert seq.num_cached_tokens == 0 and 0 < len(seq.prompt_logprobs) < len(prompt) - 1
+    assert sibling.prompt_logprobs is None
+    sched.running.remove(seq)  # preempted halfway through its prompt: recomputed from the start
+    sched._preempt(seq)
+    run(sched, runner)
+    assert [lp.logprob for lp in seq.prompt_logprobs] == list(range(len(prompt) - 1))
+    assert seq.output_token_ids == reference_generate(prompt, 3)
