@@ -115,6 +115,7 @@ def test_chat_prompt_logprobs_at_the_top_level(server, model_dir):
     ({"prompt": TEXT, "echo": True, "logprobs": 30, "max_tokens": 0}, "logprobs", "logprobs=30 is more than"),
     ({"prompt": TEXT, "prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs=21 is more than"),
     ({"prompt": TEXT, "max_tokens": 0}, "max_tokens", "max_tokens must be"),
+    ({"prompt": TEXT, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "not available with stream"),
 ])
 def test_bad_scoring_requests_are_400(server, body, param, match):
     r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, **body}, timeout=60,
@@ -122,3 +123,10 @@ def test_bad_scoring_requests_are_400(server, body, param, match):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and match in error["message"], error
+
+
+def test_streamed_chat_with_prompt_logprobs_is_400(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": TEXT}], "prompt_logprobs": 0, "stream": True}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text

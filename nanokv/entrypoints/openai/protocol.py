@@ -199,6 +199,7 @@ def parse_completion(body: dict, settings: ServerSettings, limits: Limits,
     params = _sampling_params(kwargs, names)
     limits.check_max_tokens(params, "max_tokens")
     stream, include_usage, continuous = _stream(body)
+    _check_streamed_prompt_logprobs(body, stream)
     return GenerationRequest(model, prompts, params, stream, include_usage, continuous, params.logprobs,
                              {"prompt": "prompt", **names}, _tokens_as_ids(body, settings), echo=echo,
                              score_only=score_only,
@@ -233,6 +234,7 @@ def parse_chat(body: dict, settings: ServerSettings, tokenizer, limits: Limits,
     params = _sampling_params(kwargs, names)
     limits.check_max_tokens(params, names["max_tokens"])
     stream, include_usage, continuous = _stream(body)
+    _check_streamed_prompt_logprobs(body, stream)
     prompt = _render(body, messages, settings, tokenizer, add_generation_prompt)
     add_special = _get(body, "add_special_tokens", bool, "true or false", False)
     if add_special:  # the tokenizer's own (a BOS) on top of the template's
@@ -490,6 +492,14 @@ def _sampling_params(kwargs: dict, names: dict[str, str]) -> SamplingParams:
     except (ValueError, TypeError) as e:
         message = rename_fields(str(e), names)
         raise bad_request(message, param_of(message, names)) from None
+
+
+def _check_streamed_prompt_logprobs(body: dict, stream: bool) -> None:
+    """vLLM's rule: the prompt_logprobs field is not streamed (completions' echo with logprobs
+    streams the prompt's logprobs in its echo chunk instead)."""
+    if stream and body.get("prompt_logprobs") is not None:
+        raise bad_request("prompt_logprobs is not available with stream: true; drop one of them (completions: "
+                          "echo with logprobs streams the prompt's logprobs)", "prompt_logprobs")
 
 
 def _stream(body: dict) -> tuple[bool, bool, bool]:
