@@ -177,3 +177,18 @@ def test_a_failed_step_keeps_its_exception_text_out_of_the_engines_reason(checkp
         assert secret not in str(again.value)
     finally:
         llm.close()
+
+
+def test_tp2_prompt_logprobs_equal_tp1(model_dir):
+    """The scoring rows' logits are gathered from both ranks like the sampled ones."""
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    one = LLM(model_dir, max_model_len=96).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(model_dir, tensor_parallel_size=2, max_model_len=96, max_num_batched_tokens=32)
+    try:
+        two = llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        llm.close()
+    for a, b in zip(one, two):
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert list(x) == list(y) and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
