@@ -89,3 +89,28 @@ def test_prompt_logprobs_whole_vocabulary_and_bounds(model_dir):
     with pytest.raises(ValueError, match="prompt_logprobs must be an int"):
         SamplingParams(prompt_logprobs=-2)
     assert SamplingParams.from_optional(prompt_logprobs=None).prompt_logprobs is None
+
+
+def test_prompt_logprobs_in_streamed_outputs(model_dir):
+    """DELTA: in the first output only (as vLLM); CUMULATIVE: in every output; FINAL_ONLY: once."""
+    from nanokv.sampling_params import RequestOutputKind
+
+    llm = LLM(model_dir, max_model_len=256, kv_cache_memory_bytes=64 << 20)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    (ref,) = llm.generate(PROMPTS[0], params, use_tqdm=False)
+    for kind in RequestOutputKind:
+        engine.add_request(kind.name, PROMPTS[0], SamplingParams(**{**vars(params), "output_kind": kind}))
+    outputs: dict[str, list] = {}
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out.prompt_logprobs)
+    assert [len(outputs[k.name]) for k in RequestOutputKind] == [4, 4, 1]
+    assert outputs["DELTA"][1:] == [None] * 3
+    for got in (outputs["DELTA"][0], *outputs["CUMULATIVE"], outputs["FINAL_ONLY"][0]):
+        assert got[0] is None and len(got) == len(ref.prompt_logprobs)
+        for entry, want in zip(got[1:], ref.prompt_logprobs[1:]):  # the same batch-independent values
+            assert list(entry) == list(want)
+            assert all(math.isclose(entry[t].logprob, want[t].logprob, abs_tol=1e-5) for t in entry)
