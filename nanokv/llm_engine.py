@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from nanokv.config import EngineConfig
 from nanokv.constraints import TokenConstraint, bad_words_token_ids
+from nanokv.grammar import GrammarCompiler
 from nanokv.engine.block_manager import BlockManager
 from nanokv.engine.scheduler import Scheduler, SchedulerConfig
 from nanokv.engine.sequence import Sequence
@@ -71,6 +72,7 @@ class LLMEngine:
             if config.tokenizer is not None:
                 check_tokenizer_fits(tokenizer, config.tokenizer, config.hf_config.vocab_size)
         self.tokenizer = tokenizer
+        self._grammars: GrammarCompiler | None = None  # built at the first structured_outputs request
         self.executor = make_executor(config)
         self.runner = self.executor.runner  # rank 0's ModelRunner (timers, model) for tools and tests
         self.block_manager = BlockManager(self.executor.num_blocks, config.block_size,
@@ -177,6 +179,7 @@ class LLMEngine:
                              f"{type(tokenizer).__name__}")
         with self.lock:
             self.tokenizer = self.output_processor.tokenizer = tokenizer
+            self._grammars = None
 
     # ---- requests ---------------------------------------------------------------------
     def make_request(self, prompt: PromptType, params: SamplingParams | None = None,
@@ -218,8 +221,8 @@ class LLMEngine:
         request_id = str(request_id)
         room = max_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        constraint = self._constraint(params)
-        seqs = [Sequence(request_id, token_ids, params, max_tokens, index=i, constraint=constraint)
+        constraints = self._constraints(params)
+        seqs = [Sequence(request_id, token_ids, params, max_tokens, index=i, constraint=constraints(i))
                 for i in range(params.n)]
         req = self.output_processor.new_request(request_id, text, token_ids, params, stream, seqs)
         req.metrics = arrival
@@ -258,9 +261,22 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
 
+    def _constraints(self, params: SamplingParams):
+        """sample index -> its token mask source: one TokenConstraint shared by the samples,
+        or with structured_outputs a grammar matcher each (compiled here, in the caller's
+        thread: a bad spec is a ValueError before the request is queued)."""
+        base = self._constraint(params)
+        spec = params.structured_outputs
+        if spec is None:
+            return lambda i: base
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.config.eos_token_ids)
+        grammar = self._grammars.compile(spec)
+        return lambda i: self._grammars.constraint(grammar, base)
+
     def _constraint(self, params: SamplingParams) -> TokenConstraint | None:
         """The request's token mask (allowed_token_ids, bad_words), or None."""
-        if not params.has_token_mask:
+        if params.allowed_token_ids is None and params.bad_words is None:
             return None
         bad_ids = []
         if params.bad_words:

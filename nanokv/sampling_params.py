@@ -7,6 +7,7 @@ import dataclasses
 import difflib
 import enum
 import functools
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -47,9 +48,79 @@ class RequestOutputKind(enum.Enum):
 # vLLM's SamplingParams fields nanokv does not implement yet -> what they are: None (off)
 # is accepted, anything else refused by name (not reported as an unknown field).
 _NOT_YET = {
-    "structured_outputs": "structured outputs", "guided_decoding": "structured outputs",
     "logits_processors": "custom logits processors",
 }
+MAX_CHOICES = 1024  # strings in StructuredOutputsParams.choice
+MAX_SPEC_CHARS = 1 << 20  # characters of one schema, regex or grammar (compiled at make_request)
+_SPEC_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A grammar the output must match (vLLM's class and field names); exactly one of:
+
+    json: a JSON schema (a dict or its JSON text); the output is one JSON value valid against it.
+    json_object=True: any JSON object. regex: the whole output matches it (Rust regex syntax).
+    choice: the output is one of these strings. grammar: a Lark or GBNF grammar.
+    whitespace_pattern: for json / json_object, a regex for the whitespace allowed between
+        tokens (None: JSON's whitespace); disable_any_whitespace=True: none at all.
+    Compiled by llguidance when the request is made; a bad spec raises ValueError then."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in _SPEC_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {', '.join(given) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or a JSON string), "
+                             f"got {type(self.json).__name__}")
+        if self.json_object is not None and self.json_object is not True and self.json_object is not False:
+            raise ValueError(f"structured_outputs.json_object must be True or False, got {self.json_object!r}")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r:.80}")
+        if self.choice is not None:
+            self.choice = _str_list("structured_outputs.choice", self.choice, MAX_CHOICES, MAX_SPEC_CHARS)
+            if not self.choice:
+                raise ValueError("structured_outputs.choice is empty; give at least one string")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if isinstance(value, str) and len(value) > MAX_SPEC_CHARS:
+                raise ValueError(f"structured_outputs.{name} has {len(value)} characters; at most "
+                                 f"{MAX_SPEC_CHARS} are allowed")
+        self.disable_any_whitespace = _bool("structured_outputs.disable_any_whitespace",
+                                            self.disable_any_whitespace)
+
+    @classmethod
+    def of(cls, value, name: str = "structured_outputs") -> "StructuredOutputsParams":
+        """value as a StructuredOutputsParams: one already, or a dict of its fields (JSON input)."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"{name} must be a StructuredOutputsParams or a dict of its fields "
+                             f"(json, json_object, regex, choice, grammar), got {type(value).__name__}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = [k for k in value if k not in fields and value[k] is not None]
+        if unknown:
+            raise ValueError(f"{name} has no field {unknown[0]!r}; the fields are {', '.join(sorted(fields))}")
+        return cls(**{k: v for k, v in value.items() if k in fields})
+
+    def key(self) -> str:
+        """The spec as canonical JSON (the compiled-grammar cache's key)."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name, same fields
+
 # vLLM V0's beam-search fields and their "off" values
 _BEAM_SEARCH_OFF = {"use_beam_search": (None, False), "length_penalty": (None, 1.0), "early_stopping": (None, False)}
 # Fields where None is a value of its own; from_optional keeps None there.
@@ -99,8 +170,12 @@ class SamplingParams:
         and with a leading space (vLLM's rule).
     logit_bias: {token id: bias in [-100, 100]} added to the logits before penalties
         (OpenAI's semantics; ids may be decimal strings, as JSON keys are).
+    structured_outputs: a StructuredOutputsParams (or a dict of its fields; vLLM's older
+        guided_decoding=GuidedDecodingParams(...) is the same): the output matches its
+        JSON schema, regex, choice or grammar; the sequence ends at EOS (finish_reason
+        "stop") once the grammar is complete, or with "length" at max_tokens.
     Unknown field names raise ValueError naming the closest known one; vLLM fields that
-    nanokv does not implement yet (structured_outputs, ...) raise ValueError
+    nanokv does not implement yet (prompt_logprobs, ...) raise ValueError
     naming them, unless None.
     Numbers and flags may be Python or numpy scalars (kept as int / float / bool); ints
     must be integral types (no bools, no floats), lists are bounded by the MAX_* constants above.
@@ -132,6 +207,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     logit_bias: dict[int, float] | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, 1, MAX_N)
@@ -182,6 +258,8 @@ class SamplingParams:
             self.bad_words = _str_list("bad_words", self.bad_words, MAX_BAD_WORDS, MAX_BAD_WORD_CHARS) or None
         if self.logit_bias is not None:
             self.logit_bias = _logit_bias(self.logit_bias) or None
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
 
     @classmethod
     def from_optional(cls, **kwargs) -> "SamplingParams":
@@ -201,8 +279,9 @@ class SamplingParams:
 
     @property
     def has_token_mask(self) -> bool:
-        """allowed_token_ids or bad_words: the request's rows carry a token mask."""
-        return self.allowed_token_ids is not None or self.bad_words is not None
+        """allowed_token_ids, bad_words or structured_outputs: the request's rows carry a token mask."""
+        return (self.allowed_token_ids is not None or self.bad_words is not None
+                or self.structured_outputs is not None)
 
     @property
     def has_penalties(self) -> bool:
@@ -236,6 +315,11 @@ def _known_fields(num_positional: int, kwargs: dict) -> dict:
         elif key in _NOT_YET:
             if value is not None:
                 raise ValueError(f"{key} is not supported yet by nanokv ({_NOT_YET[key]}); remove it")
+        elif key == "guided_decoding":  # vLLM's older name for structured_outputs
+            if value is not None:
+                if kwargs.get("structured_outputs") is not None:
+                    raise ValueError("give structured_outputs or guided_decoding, not both")
+                known["structured_outputs"] = value
         elif key in _BEAM_SEARCH_OFF:  # vLLM V0's beam-search fields: accepted while off
             if value not in _BEAM_SEARCH_OFF[key]:
                 raise ValueError(f"{key}={value!r}: {BEAM_SEARCH}")

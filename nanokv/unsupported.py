@@ -16,7 +16,6 @@ POOLING = ("pooling models (embed, encode, classify, score, reward) are not supp
            "generates text only; use a text-generation model, or an embedding library for embeddings")
 BEAM_SEARCH = ("beam search is not supported by nanokv; use SamplingParams(temperature=0) for greedy "
                "decoding, or n=... samples and pick the best")
-STRUCTURED = "structured outputs (guided decoding) are not supported yet by nanokv"
 MULTIMODAL = "multi-modal inputs are not supported by nanokv; send text or token ids"
 SLEEP_MODE = ("sleep mode (sleep / wake_up) is not supported by nanokv; close() frees the KV pool and the "
               "weights, and a new LLM loads them again")
@@ -28,7 +27,6 @@ NAMES = {
     "EmbeddingOutput": POOLING, "EmbeddingRequestOutput": POOLING, "ClassificationOutput": POOLING,
     "ClassificationRequestOutput": POOLING, "ScoringOutput": POOLING, "ScoringRequestOutput": POOLING,
     "BeamSearchParams": BEAM_SEARCH, "BeamSearchOutput": BEAM_SEARCH, "BeamSearchSequence": BEAM_SEARCH,
-    "GuidedDecodingParams": STRUCTURED, "StructuredOutputsParams": STRUCTURED,
     "EmbedsPrompt": "prompt embeddings (EmbedsPrompt) are not supported by nanokv; send text or token ids",
     "ModelRegistry": ("registering out-of-tree models is not supported by nanokv; its architectures are "
                       "listed in nanokv/models/"),

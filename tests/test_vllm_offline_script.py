@@ -175,9 +175,8 @@ def run_script(h: Harness, tmp_path) -> None:  # noqa: PLR0915 - a script, call 
       lambda: imp("from nanokv.sampling_params import BeamSearchParams"), expect=REFUSED, names=BEAM)
     c("from vllm.beam_search import BeamSearchOutput", lambda: imp("from nanokv.beam_search import BeamSearchOutput"),
       expect=REFUSED, names=BEAM)
-    c("from vllm.sampling_params import GuidedDecodingParams",
-      lambda: imp("from nanokv.sampling_params import GuidedDecodingParams"), expect=UNSUPPORTED,
-      names="structured outputs")
+    c("from vllm.sampling_params import GuidedDecodingParams, StructuredOutputsParams",
+      lambda: imp("from nanokv.sampling_params import GuidedDecodingParams, StructuredOutputsParams"))
     LLM, SamplingParams = ns["LLM"], ns["SamplingParams"]
     EngineArgs, LLMEngine = ns["EngineArgs"], ns["LLMEngine"]
     TokensPrompt, TextPrompt, RequestOutputKind = ns["TokensPrompt"], ns["TextPrompt"], ns["RequestOutputKind"]
