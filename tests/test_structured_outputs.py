@@ -208,3 +208,12 @@ def test_dict_and_guided_decoding_forms_are_the_same_params():
     b = SamplingParams(guided_decoding=GuidedDecodingParams(choice=["a", "b"]))
     assert a.structured_outputs == b.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
     assert a.has_token_mask
+
+
+def test_batch_cli_request_lines_take_structured_outputs_as_a_dict():
+    from nanokv.entrypoints.cli.inputs import _line_params
+
+    params = _line_params({"structured_outputs": {"choice": ["a", "b"]}}, SamplingParams(), None)
+    assert params.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
+    with pytest.raises(ValueError, match="exactly one of"):
+        _line_params({"structured_outputs": {"choice": ["a"], "regex": "x"}}, SamplingParams(), None)

@@ -565,8 +565,8 @@ BAD = [  # (path, body or raw bytes, param, part of the message)
     ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, "best_of", "not supported"),
     ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "tools": [{"type": "function"}]}, "tools",
      "not supported"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "response_format": {"type": "json_object"}},
-     "response_format", "not supported"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "response_format": {"type": "xml"}},
+     "response_format", "json_schema"),
     ("/v1/chat/completions", {"model": MODEL}, "messages", "messages is required"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages", "non-empty list"),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, "messages", "non-empty list"),
@@ -615,7 +615,7 @@ def test_fuzzed_requests_never_break_the_server(server):
               "stop", "seed", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "stream",
               "stream_options", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
               "stop_token_ids", "echo", "best_of", "logit_bias", "user", "tools", "response_format",
-              "allowed_token_ids", "bad_words"]
+              "allowed_token_ids", "bad_words", "structured_outputs", "guided_choice", "guided_regex"]
     statuses = {}
     for i in range(150):
         path = "/v1/completions" if i % 2 else "/v1/chat/completions"

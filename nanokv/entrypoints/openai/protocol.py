@@ -17,7 +17,7 @@ from typing import Any, Callable
 from nanokv.entrypoints.openai.settings import ServerSettings
 from nanokv.llm import message_text, render_chat
 from nanokv.llm_engine import check_text
-from nanokv.sampling_params import SamplingParams
+from nanokv.sampling_params import SamplingParams, StructuredOutputsParams
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
                 404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
@@ -140,10 +140,6 @@ _SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "sto
 _UNSUPPORTED_COMMON = {
     "use_beam_search": _off(None, False),
     "logits_processors": _off(None, []),
-    "structured_outputs": _off(None),
-    "guided_json": _off(None), "guided_regex": _off(None), "guided_choice": _off(None),
-    "guided_grammar": _off(None), "guided_decoding_backend": _off(None),
-    "response_format": lambda v, body: v is None or v == {"type": "text"},
     # vLLM keeps salted requests' prefix-cache blocks apart; here every request shares them,
     # so a salt (which asks for that isolation) is refused rather than silently ignored
     "cache_salt": _off(None),
@@ -475,7 +471,67 @@ def _sampling_kwargs(body: dict, defaults: dict | None = None) -> dict:
     """The request's sampling fields over the model's defaults (vLLM's rule: a default
     fills each field the request leaves unset or null)."""
     given = {name: body[name] for name in _SAMPLING if body.get(name) is not None}
+    spec = _structured_outputs(body)
+    if spec is not None:
+        given["structured_outputs"] = spec
     return {**(defaults or {}), **given}
+
+
+# vLLM's guided_* extras -> StructuredOutputsParams fields
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")  # guided_decoding_backend values served (llguidance)
+
+
+def _structured_outputs(body: dict) -> StructuredOutputsParams | None:
+    """response_format, structured_outputs or vLLM's guided_* fields as one
+    StructuredOutputsParams (compiled later, when the request is made); None: none given."""
+    backend = body.get("guided_decoding_backend")
+    if backend is not None and backend not in GRAMMAR_BACKENDS:
+        raise bad_request(f"guided_decoding_backend {_show(backend)} is not available: nanokv compiles grammars "
+                          f"with llguidance; use one of {', '.join(GRAMMAR_BACKENDS)} or leave it unset",
+                          "guided_decoding_backend")
+    found: list[tuple[str, Any]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        spec = _response_format(fmt)
+        if spec is not None:
+            found.append(("response_format", spec))
+    if body.get("structured_outputs") is not None:
+        found.append(("structured_outputs", body["structured_outputs"]))
+    guided = {field: body[name] for name, field in _GUIDED.items() if body.get(name) is not None}
+    if guided:
+        if body.get("guided_whitespace_pattern") is not None:
+            guided["whitespace_pattern"] = body["guided_whitespace_pattern"]
+        found.append((next(n for n in _GUIDED if body.get(n) is not None), guided))
+    if not found:
+        return None
+    names = [name for name, _ in found]
+    if len(found) > 1 or len(guided) > 1 + ("whitespace_pattern" in guided):
+        names += [n for n in _GUIDED if body.get(n) is not None and n not in names]
+        raise bad_request(f"give one structured-output constraint per request, got {', '.join(names)}", names[-1])
+    name, spec = found[0]
+    try:
+        return StructuredOutputsParams.of(spec, name)
+    except (ValueError, TypeError) as e:
+        message = str(e).replace("structured_outputs", name) if name != "structured_outputs" else str(e)
+        raise bad_request(message, name) from None
+
+
+def _response_format(fmt) -> dict | None:
+    """OpenAI's response_format as StructuredOutputsParams fields (None: text)."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, str)):
+            raise bad_request("response_format json_schema needs json_schema: {name, schema, strict}, with the "
+                              "schema an object", "response_format")
+        return {"json": spec["schema"]}
+    raise bad_request(f"response_format must be an object with type text, json_object or json_schema, got "
+                      f"{_show(fmt)}", "response_format")
 
 
 def _unset_max_tokens(defaults: dict | None, limits: Limits, fallback: int | None) -> int | None:
