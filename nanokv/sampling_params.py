@@ -260,6 +260,9 @@ class SamplingParams:
             self.logit_bias = _logit_bias(self.logit_bias) or None
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
+            if self.min_tokens:  # EOS is banned below min_tokens, and it is all a complete grammar allows
+                raise ValueError("min_tokens cannot be combined with structured_outputs (the grammar decides "
+                                 "where the output ends); set min_tokens=0")
 
     @classmethod
     def from_optional(cls, **kwargs) -> "SamplingParams":

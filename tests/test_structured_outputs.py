@@ -197,6 +197,7 @@ def test_bad_specs_are_value_errors_at_make_request(llm, spec, words):
     (dict(structured_outputs="a|b"), "a dict of its fields"),
     (dict(structured_outputs=dict(choice=[])), "choice is empty"),
     (dict(structured_outputs=dict(regex="a"), guided_decoding=dict(regex="b")), "not both"),
+    (dict(structured_outputs=dict(choice=["yes", "no"]), min_tokens=5), "min_tokens cannot be combined"),
 ])
 def test_bad_structured_outputs_fields_are_value_errors(kwargs, words):
     with pytest.raises(ValueError, match=re.escape(words)):

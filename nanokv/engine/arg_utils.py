@@ -308,7 +308,7 @@ _VLLM_ONLY: dict[str, tuple[tuple | None, str]] = {
     "hf_token": (None, "nothing is downloaded"),
     "model_impl": (None, "nanokv runs its own model code"),
     "async_scheduling": (None, "steps are scheduled one after another"),
-    "structured_outputs_config": (None, "structured outputs are not supported yet"),
+    "structured_outputs_config": (None, "structured outputs always compile with llguidance"),
     "use_tqdm_on_load": (None, "loading shows no progress bar"),
     "disable_custom_all_reduce": (None, "tensor parallelism uses torch.distributed's all-reduce"),
     "disable_async_output_proc": (None, "outputs are processed after each step"),
@@ -319,7 +319,7 @@ _VLLM_ONLY: dict[str, tuple[tuple | None, str]] = {
     # AsyncEngineArgs' request logging (the same class here): the engine logs no requests
     "disable_log_requests": (None, "the engine logs no requests (nanokv serve's --enable-log-requests does)"),
     "enable_log_requests": (None, "the engine logs no requests (nanokv serve's --enable-log-requests does)"),
-    "guided_decoding_backend": (None, "structured outputs are not supported yet"),
+    "guided_decoding_backend": (None, "structured outputs always compile with llguidance"),
     "disable_sliding_window": (None, "no supported architecture uses a sliding window"),
     "max_parallel_loading_workers": (None, "the weights load in one pass"),
     "otlp_traces_endpoint": (None, "OpenTelemetry tracing is not supported by nanokv; /metrics has vLLM's "
