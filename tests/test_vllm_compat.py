@@ -24,13 +24,7 @@ CUMULATIVE, DELTA, FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.
 # ---- the ported script ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from nanokv.gguf import resolve_model
-
-    try:
-        resolve_model("smollm2")
-    except ValueError as e:
-        pytest.skip(str(e))
+def smollm2(smollm2_path):
     llm = LLM(model="smollm2", kv_cache_memory_bytes=64 << 20, max_model_len=1024)
     yield llm
     llm.close()

@@ -21,7 +21,6 @@ import pickle
 import re
 import traceback
 
-import pytest
 
 OK, REFUSED, UNSUPPORTED = "ok", "refused", "unsupported"
 
@@ -85,16 +84,6 @@ class Harness:
         got = [r[2] for r in self.results]
         return {"calls": len(got), "passed": got.count(OK), "refused as expected": got.count(REFUSED),
                 "refused by name (unsupported)": got.count(UNSUPPORTED), "failed": got.count("failed")}
-
-
-@pytest.fixture(scope="module")
-def smollm2_path():
-    from nanokv.gguf import resolve_model
-
-    try:
-        return resolve_model("smollm2")
-    except ValueError as e:
-        pytest.skip(str(e))
 
 
 def test_a_vllm_offline_script_with_only_the_import_changed(smollm2_path, tmp_path, capsys, monkeypatch):

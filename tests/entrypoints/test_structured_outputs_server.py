@@ -5,7 +5,6 @@ naming the field."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 
@@ -15,23 +14,12 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from nanokv import LLM, SamplingParams  # noqa: E402
-from nanokv import gguf as nk_gguf  # noqa: E402
 from nanokv.sampling_params import StructuredOutputsParams  # noqa: E402
 
 from .conftest import API_KEY, Server  # noqa: E402
 
 
-def _missing() -> str | None:
-    if importlib.util.find_spec("llguidance") is None:
-        return "llguidance is not installed: pip install llguidance"
-    try:
-        nk_gguf.resolve_model("smollm2")
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_missing() is not None, reason=f"{_missing()}")]
+pytestmark = pytest.mark.slow
 
 MAX_LEN = 1024
 SCHEMA = {
@@ -46,7 +34,7 @@ USER = [{"role": "user", "content": "Describe a person as JSON."}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(smollm2_path, tmp_path_factory):
     s = Server("smollm2", "--api-key", API_KEY, "--max-model-len", str(MAX_LEN),
                "--kv-cache-memory-bytes", str(64 << 20), log_path=str(tmp_path_factory.mktemp("server") / "log"))
     try:
@@ -61,7 +49,7 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def llm():
+def llm(smollm2_path):
     return LLM("smollm2", max_model_len=MAX_LEN, kv_cache_memory_bytes=64 << 20)
 
 
