@@ -114,6 +114,25 @@ class StructuredOutputsParams:
             raise ValueError(f"{name} has no field {unknown[0]!r}; the fields are {', '.join(sorted(fields))}")
         return cls(**{k: v for k, v in value.items() if k in fields})
 
+    @classmethod
+    def from_response_format(cls, fmt) -> "StructuredOutputsParams | None":
+        """OpenAI's response_format ({"type": "text" | "json_object" | "json_schema", ...}) as
+        a spec; None for text (no constraint)."""
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls(json_object=True)
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, str)):
+                raise ValueError("response_format json_schema needs json_schema: {name, schema, strict}, with the "
+                                 "schema an object")
+            return cls(json=spec["schema"])
+        shown = repr(fmt) if len(repr(fmt)) <= 80 else repr(fmt)[:77] + "..."
+        raise ValueError(f"response_format must be an object with type text, json_object or json_schema, got "
+                         f"{shown}")
+
     def key(self) -> str:
         """The spec as canonical JSON (the compiled-grammar cache's key)."""
         return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))

@@ -207,3 +207,35 @@ def test_batch_cli_request_lines_take_structured_outputs_as_a_dict():
     assert params.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
     with pytest.raises(ValueError, match="exactly one of"):
         _line_params({"structured_outputs": {"choice": ["a"], "regex": "x"}}, SamplingParams(), None)
+
+
+def test_batch_cli_lines_take_response_format_and_structured_outputs_like_the_server(llm, tmp_path):
+    from nanokv.entrypoints.cli import main
+
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    rows = [
+        {"id": "schema", "messages": user("Describe a person as JSON."), "response_format": schema_format},
+        {"id": "object", "messages": user("Give me a JSON object with the keys a and b."),
+         "response_format": {"type": "json_object"}},
+        {"id": "choice", "prompt": "Yes or no?", "structured_outputs": {"choice": ["yes", "no"]}},
+        {"id": "text", "prompt": "Hello", "response_format": {"type": "text"}, "sampling_params": {"max_tokens": 4}},
+        {"id": "two", "prompt": "x", "response_format": {"type": "json_object"},
+         "structured_outputs": {"regex": "a+"}},
+        {"id": "bad", "prompt": "x", "response_format": {"type": "xml"}},
+    ]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["generate", "--model", "smollm2", "--input", str(inp), "--output", str(out), "--max-tokens", "120", "--temperature", "0",
+                 "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "1024"]) == 3  # lines failed
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(records) == ["choice", "object", "schema", "text"]
+    validate(json.loads(records["schema"]["text"]), PERSON)
+    assert records["object"]["finish_reason"] == "stop"
+    assert isinstance(json.loads(records["object"]["text"]), dict)
+    assert records["choice"]["text"] in ("yes", "no")
+    # the same line as LLM.chat with the same constraint: token for token
+    chat = llm.chat(user("Describe a person as JSON."), so(max_tokens=120, json=PERSON), use_tqdm=False)
+    assert records["schema"]["token_ids"] == chat[0].outputs[0].token_ids
+    errors = {r["id"]: r["error"] for r in map(json.loads, (tmp_path / "out.errors.jsonl").read_text().splitlines())}
+    assert "one structured-output constraint per line" in errors["two"]
+    assert "type text, json_object or json_schema" in errors["bad"]

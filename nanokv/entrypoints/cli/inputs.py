@@ -17,7 +17,7 @@ from typing import BinaryIO
 
 from nanokv.entrypoints.cli.common import InputError, Rank, valid_id
 from nanokv.entrypoints.cli.records import record_key
-from nanokv.sampling_params import SamplingParams
+from nanokv.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 BLANK = object()  # a blank input line: skipped, not a request
@@ -197,6 +197,12 @@ def parse_request(raw: bytes, tokenizer, base: SamplingParams, seed_for=None):
         raise ValueError(f"a line needs exactly one of {', '.join(map(repr, _PROMPT_FORMS))}, got "
                          + (", ".join(map(repr, forms)) if forms else "none"))
     params = _line_params(obj.get("sampling_params"), base, seed_for)
+    spec = _line_structured_outputs(obj)
+    if spec is not None:
+        if params.structured_outputs is not None and "structured_outputs" in (obj.get("sampling_params") or {}):
+            raise ValueError("give one structured-output constraint per line, got sampling_params.structured_outputs "
+                             "and a top-level one")
+        params = dataclasses.replace(params, structured_outputs=spec)
     value = obj[forms[0]]
     if forms[0] == "prompt":
         if not isinstance(value, str):
@@ -213,6 +219,20 @@ def parse_request(raw: bytes, tokenizer, base: SamplingParams, seed_for=None):
     from nanokv.llm import render_chat
 
     return render_chat(tokenizer, value), params
+
+
+def _line_structured_outputs(obj: dict) -> StructuredOutputsParams | None:
+    """The line's top-level response_format or structured_outputs, as the server reads them
+    from a request body (one of the two; response_format text is no constraint)."""
+    given = [k for k in ("response_format", "structured_outputs") if obj.get(k) is not None]
+    if len(given) > 1:
+        raise ValueError("give one structured-output constraint per line, got response_format and "
+                         "structured_outputs")
+    if not given:
+        return None
+    if given[0] == "response_format":
+        return StructuredOutputsParams.from_response_format(obj["response_format"])
+    return StructuredOutputsParams.of(obj["structured_outputs"])
 
 
 def _line_params(overrides, base: SamplingParams, seed_for) -> SamplingParams:

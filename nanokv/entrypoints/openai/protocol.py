@@ -517,21 +517,13 @@ def _structured_outputs(body: dict) -> StructuredOutputsParams | None:
         raise bad_request(message, name) from None
 
 
-def _response_format(fmt) -> dict | None:
-    """OpenAI's response_format as StructuredOutputsParams fields (None: text)."""
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, str)):
-            raise bad_request("response_format json_schema needs json_schema: {name, schema, strict}, with the "
-                              "schema an object", "response_format")
-        return {"json": spec["schema"]}
-    raise bad_request(f"response_format must be an object with type text, json_object or json_schema, got "
-                      f"{_show(fmt)}", "response_format")
+def _response_format(fmt) -> StructuredOutputsParams | None:
+    """OpenAI's response_format as a spec (None: text)."""
+    try:
+        return StructuredOutputsParams.from_response_format(fmt)
+    except ValueError as e:
+        raise bad_request(str(e).replace("structured_outputs.json", "response_format.json_schema.schema"),
+                          "response_format") from None
 
 
 def _unset_max_tokens(defaults: dict | None, limits: Limits, fallback: int | None) -> int | None:
