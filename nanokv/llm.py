@@ -14,6 +14,7 @@ from nanokv.engine.stats import KVStats
 from nanokv.llm_engine import LLMEngine, PromptType, check_text, check_vllm_extras
 from nanokv.outputs import RequestOutput
 from nanokv.sampling_params import SamplingParams
+from nanokv.tool_calls import with_tools
 from nanokv.unsupported import BEAM_SEARCH, MULTIMODAL, POOLING, SLEEP_MODE
 
 logger = logging.getLogger("nanokv")
@@ -307,10 +308,12 @@ _TEMPLATE_ARGUMENTS = ("conversation", "tokenize", "chat_template", "add_generat
 def render_chat(tokenizer, conversation: list[dict], chat_template: str | None = None,
                 add_generation_prompt: bool = True, *, continue_final_message: bool = False,
                 tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
-                content_format: str = "auto") -> dict:
+                content_format: str = "auto", tool_parser: str | None = None) -> dict:
     """One conversation -> {"prompt": text, "prompt_token_ids": ids} via the chat template.
     Content parts are joined into one string (message_text) unless content_format is
-    "openai"; the other arguments are vLLM's (LLM.chat)."""
+    "openai"; the other arguments are vLLM's (LLM.chat). tools reach a template that reads
+    them as tools=, any other through the default system prompt in tool_parser's format
+    (nanokv/tool_calls.py with_tools); history tool calls' arguments become dicts."""
     check_messages(conversation)
     if content_format not in ("auto", "string", "openai"):
         raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got {content_format!r}")
@@ -324,11 +327,13 @@ def render_chat(tokenizer, conversation: list[dict], chat_template: str | None =
     if clash:
         raise ValueError(f"chat_template_kwargs may not set {clash[0]!r}; pass it as chat()'s own argument")
     if content_format != "openai":
-        conversation = [m if isinstance(m["content"], str) else {**m, "content": message_text(m["content"],
-                                                                                            f"messages[{i}]")}
+        conversation = [m if isinstance(m.get("content"), str) else {**m, "content": message_text(m.get("content"),
+                                                                                                f"messages[{i}]")}
                         for i, m in enumerate(conversation)]
     if continue_final_message:
         extra["continue_final_message"] = True
+    source = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    conversation, tools = with_tools(conversation, tools, source, tool_parser)
     try:
         text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
                                              add_generation_prompt=add_generation_prompt, tools=tools, **extra)
@@ -345,7 +350,8 @@ def check_messages(conversation) -> None:
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise ValueError(f"a conversation must be a non-empty list of messages; {fix}")
     for i, m in enumerate(conversation):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or ("content" not in m
+                                                                             and not m.get("tool_calls")):
             raise ValueError(f"message {i} is {m!r}; {fix}")
         content = m["content"]
         if isinstance(content, str):

@@ -564,7 +564,7 @@ BAD = [  # (path, body or raw bytes, param, part of the message)
      "truncate_prompt_tokens must be"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, "best_of", "not supported"),
     ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "tools": [{"type": "function"}]}, "tools",
-     "not supported"),
+     "tools[0].function is missing"),
     ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "response_format": {"type": "xml"}},
      "response_format", "json_schema"),
     ("/v1/chat/completions", {"model": MODEL}, "messages", "messages is required"),

@@ -539,11 +539,22 @@ def test_vllm_flags_without_a_meaning_here_say_so(settings_of, caplog, capsys):
     assert "--disable-frontend-multiprocessing has no effect" in caplog.text
     assert settings_of(["m", "--api-server-count", "2"]) is None
     assert "nanokv runs one HTTP server process" in capsys.readouterr().err
-    for argv, what in ((["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], "tool calling"),
+    for argv, what in ((["--tool-parser-plugin", "p.py"], "tool-parser plugins"),
                        (["--reasoning-parser", "deepseek_r1"], "reasoning parsers"),
                        (["--lora-modules", "a=/x", "b=/y"], "LoRA adapters"), (["--root-path", "/v"], "a root path")):
         assert settings_of(["m", *argv]) is None
         assert f"{argv[0]}: nanokv's server does not support {what}" in capsys.readouterr().err
+
+
+def test_tool_calling_flags(settings_of, capsys):
+    settings, _ = settings_of(["m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert settings.enable_auto_tool_choice and settings.tool_call_parser == "hermes"
+    settings, _ = settings_of(["m", "--tool-call-parser", "smollm2"])
+    assert not settings.enable_auto_tool_choice and settings.tool_call_parser == "smollm2"
+    assert settings_of(["m", "--enable-auto-tool-choice"]) is None
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+    assert settings_of(["m", "--tool-call-parser", "mistral"]) is None
+    assert "--tool-call-parser 'mistral' is not available; use one of hermes, smollm2" in capsys.readouterr().err
 
 
 def test_bad_flag_values_exit_2(capsys):

@@ -364,6 +364,15 @@ def _add_serve_parser(sub) -> None:
                       default=ServerSettings.return_tokens_as_token_ids,
                       help="logprobs name tokens 'token_id:N' instead of their text (a request's "
                            "return_tokens_as_token_ids wins)")
+    tools = srv.add_argument_group("tool calling")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       default=ServerSettings.enable_auto_tool_choice,
+                       help="serve tool_choice 'auto' (and tools without a tool_choice): the model writes calls "
+                            "freely and --tool-call-parser reads them; needs --tool-call-parser")
+    tools.add_argument("--tool-call-parser", default=ServerSettings.tool_call_parser,
+                       help="how calls are read from the text with tool_choice auto, and the format the default "
+                            "tools prompt asks for: hermes (<tool_call>{...}</tool_call> per call; Qwen, Hermes) "
+                            "or smollm2 (<tool_call>[{...}, ...]</tool_call>)")
     _add_engine_args(srv)
 
 
@@ -449,8 +458,7 @@ def _non_negative_int(text: str) -> int:
 
 # vLLM serve flags nanokv refuses: flag -> (how many values it takes, what nanokv lacks)
 REFUSED_SERVE_FLAGS = {
-    "--enable-auto-tool-choice": (0, "tool calling"), "--tool-call-parser": (1, "tool calling"),
-    "--tool-parser-plugin": (1, "tool calling"), "--reasoning-parser": (1, "reasoning parsers"),
+    "--tool-parser-plugin": (1, "tool-parser plugins (the parsers are built in: --tool-call-parser)"), "--reasoning-parser": (1, "reasoning parsers"),
     "--lora-modules": ("+", "LoRA adapters"), "--uds": (1, "serving on a Unix socket"),
     "--root-path": (1, "a root path (serve it at / behind the proxy)"), "--middleware": (1, "ASGI middleware plugins"),
 }

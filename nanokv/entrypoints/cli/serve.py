@@ -84,7 +84,8 @@ def serve(args) -> int:
             max_log_len=args.max_log_len, request_id_headers=args.enable_request_id_headers,
             tokenizer_info=args.enable_tokenizer_info_endpoint, **_stats_interval(),
             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
-            ssl_cert_reqs=args.ssl_cert_reqs)
+            ssl_cert_reqs=args.ssl_cert_reqs, enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser)
     except (ValueError, OSError) as e:
         raise InputError(str(e)) from None
     try:

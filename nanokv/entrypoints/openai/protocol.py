@@ -9,6 +9,7 @@ something it did not ask for.
 
 from __future__ import annotations
 
+import json
 import re
 import reprlib
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from nanokv.entrypoints.openai.settings import ServerSettings
 from nanokv.llm import message_text, render_chat
 from nanokv.llm_engine import check_text
 from nanokv.sampling_params import SamplingParams, StructuredOutputsParams
+from nanokv.tool_calls import Tool, check_schemas, parse_tool_choice, parse_tools, tool_schema
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
                 404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
@@ -81,6 +83,17 @@ class Limits:
                               "for as many as fit", name)
 
 
+@dataclass(frozen=True)
+class ToolRequest:
+    """A chat request's tools and how its answers are read: "auto" (the server's parser
+    extracts calls), "required" (a JSON array of calls) or a named Tool (its arguments)."""
+
+    tools: list[Tool]
+    choice: str | Tool
+    parser: str | None  # auto: --tool-call-parser
+    parallel: bool  # parallel_tool_calls: False keeps at most one call
+
+
 @dataclass
 class GenerationRequest:
     """A completions or chat request, validated (not yet against the model's limits,
@@ -106,6 +119,7 @@ class GenerationRequest:
     # completions' echo with max_tokens=0 (vLLM's prompt scoring, as lm-eval sends): the engine
     # generates one token, which the answer leaves out; the choice is the scored prompt alone
     score_only: bool = False
+    tools: ToolRequest | None = None  # chat with tools and a tool_choice other than "none"
 
 
 @dataclass
@@ -151,9 +165,7 @@ _UNSUPPORTED_COMPLETION = {
 }
 _UNSUPPORTED_CHAT = {
     **_UNSUPPORTED_COMMON,
-    "tools": _off(None, []),
     "functions": _off(None, []),
-    "tool_choice": lambda v, body: v is None or v == "none" or (v == "auto" and not body.get("tools")),
     "function_call": lambda v, body: v is None or v == "none" or (v == "auto" and not body.get("functions")),
     "audio": _off(None),
     "modalities": lambda v, body: v is None or v == ["text"],
@@ -213,6 +225,18 @@ def parse_chat(body: dict, settings: ServerSettings, tokenizer, limits: Limits,
     _check_messages_length(messages, limits)
     add_generation_prompt = _get(body, "add_generation_prompt", bool, "true or false", True)
     kwargs = _sampling_kwargs(body, defaults)
+    tools, tool_request = _tools(body, settings)
+    if tool_request is not None and tool_request.choice != "auto":
+        if "structured_outputs" in kwargs:
+            raise bad_request("tool_choice required or a named function constrains the output to tool calls; "
+                              "drop response_format / structured_outputs / guided_*, or use tool_choice auto",
+                              "tool_choice")
+        try:
+            schema = tool_schema(tool_request.tools, tool_request.choice, tool_request.parallel)
+        except ValueError as e:
+            raise bad_request(str(e), "tools") from None
+        # compact JSON: a small model given free whitespace can spend max_tokens on it
+        kwargs["structured_outputs"] = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     names = {"prompt": "messages"}
     if body.get("max_completion_tokens") is not None:
         kwargs["max_tokens"], names["max_tokens"] = body["max_completion_tokens"], "max_completion_tokens"
@@ -231,7 +255,7 @@ def parse_chat(body: dict, settings: ServerSettings, tokenizer, limits: Limits,
     limits.check_max_tokens(params, names["max_tokens"])
     stream, include_usage, continuous = _stream(body)
     _check_streamed_prompt_logprobs(body, stream)
-    prompt = _render(body, messages, settings, tokenizer, add_generation_prompt)
+    prompt = _render(body, messages, settings, tokenizer, add_generation_prompt, tools)
     add_special = _get(body, "add_special_tokens", bool, "true or false", False)
     if add_special:  # the tokenizer's own (a BOS) on top of the template's
         prompt = {**prompt, "prompt_token_ids": tokenizer(prompt["prompt"], add_special_tokens=True).input_ids}
@@ -244,7 +268,36 @@ def parse_chat(body: dict, settings: ServerSettings, tokenizer, limits: Limits,
     return GenerationRequest(model, [prompt], params, stream, include_usage, continuous, params.logprobs, names,
                              _tokens_as_ids(body, settings), role, echo=echo_text is not None,
                              echo_text=echo_text, add_special_tokens=add_special,
-                             return_token_ids=_get(body, "return_token_ids", bool, "true or false", False))
+                             return_token_ids=_get(body, "return_token_ids", bool, "true or false", False),
+                             tools=tool_request)
+
+
+def _tools(body: dict, settings: ServerSettings) -> tuple[list[dict] | None, ToolRequest | None]:
+    """The request's tools for the template (None: none) and, unless tool_choice is "none",
+    how its answers are read. vLLM's rules: tool_choice unset with tools is "auto", which
+    needs the server's --enable-auto-tool-choice and --tool-call-parser."""
+    raw = body.get("tools")
+    try:
+        tools = None if raw is None else parse_tools(raw)
+    except ValueError as e:
+        raise bad_request(str(e), "tools") from None
+    try:
+        choice = parse_tool_choice(body.get("tool_choice"), tools)
+    except ValueError as e:
+        raise bad_request(str(e), "tool_choice") from None
+    parallel = _get(body, "parallel_tool_calls", bool, "true or false", True)
+    if choice is None or choice == "none":
+        return (raw or None) if choice else None, None
+    if choice == "auto" and not (settings.enable_auto_tool_choice and settings.tool_call_parser):
+        raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
+                          "on the server; send tool_choice required, none or a named function, or restart the "
+                          "server with both flags", "tool_choice")
+    if choice != "auto":
+        try:
+            check_schemas(tools if choice == "required" else [choice])
+        except ValueError as e:
+            raise bad_request(str(e), "tools") from None
+    return raw, ToolRequest(tools, choice, settings.tool_call_parser, parallel)
 
 
 def parse_tokenize(body: dict, settings: ServerSettings, tokenizer, limits: Limits) -> TokenizeRequest:
@@ -308,8 +361,16 @@ def model_not_found(model: str) -> APIError:
 
 
 def _check_messages_length(messages: list[dict], limits: Limits) -> None:
-    limits.check_text(sum(len(m["content"]) + len(m["role"]) + len(m.get("name", "")) for m in messages),
+    limits.check_text(sum(len(m["content"]) + len(m["role"]) + len(m.get("name", ""))
+                          + (len(_show_all(m["tool_calls"])) if "tool_calls" in m else 0) for m in messages),
                       "messages")
+
+
+def _show_all(value) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def _chat_template(body: dict, settings: ServerSettings) -> str | None:
@@ -335,10 +396,13 @@ def _render(body: dict, messages: list[dict], settings: ServerSettings, tokenize
     kwargs = _get(body, "chat_template_kwargs", dict, "an object of template variables")
     if settings.chat_template_content_format == "openai":  # the template reads a list of parts
         messages = [{**m, "content": _parts(raw.get("content"))} for m, raw in zip(messages, body["messages"])]
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise bad_request(f"tools must be a list of tool objects, got {_show(tools)}", "tools")
     try:
         return render_chat(tokenizer, messages, template, add_generation_prompt,
                            continue_final_message=continue_final, tools=tools, chat_template_kwargs=kwargs,
-                           content_format=settings.chat_template_content_format)
+                           content_format=settings.chat_template_content_format,
+                           tool_parser=settings.tool_call_parser)
     except ValueError as e:
         param = next((f for f in ("continue_final_message", "chat_template_kwargs") if f in str(e)), "messages")
         raise bad_request(str(e), param) from None
@@ -449,13 +513,23 @@ def _messages(messages) -> list[dict]:
         role = m.get("role")
         if not isinstance(role, str) or not role:
             raise bad_request(f"{where}.role must be a string such as 'user', got {_show(role)}", "messages")
-        if m.get("tool_calls") or m.get("function_call"):
-            raise bad_request(f"{where} has tool calls, which nanokv does not support", "messages")
-        if "content" not in m:
+        if m.get("function_call"):
+            raise bad_request(f"{where} has function_call (OpenAI's deprecated form); send tool_calls", "messages")
+        calls = m.get("tool_calls")
+        if "content" not in m and not calls:
             raise bad_request(f"{where} has no content; {fix}", "messages")
-        message = {"role": role, "content": _content(m["content"], where)}
+        message = {"role": role, "content": _content(m.get("content"), where)}
         if isinstance(m.get("name"), str):
             message["name"] = m["name"]
+        if calls:
+            if role != "assistant":
+                raise bad_request(f"{where} has tool_calls, which only assistant messages carry", "messages")
+            message["tool_calls"] = calls  # checked and converted by render_chat (tool_calls.with_tools)
+        if m.get("tool_call_id") is not None:
+            if not isinstance(m["tool_call_id"], str):
+                raise bad_request(f"{where}.tool_call_id must be a string, got {_show(m['tool_call_id'])}",
+                                  "messages")
+            message["tool_call_id"] = m["tool_call_id"]
         result.append(message)
     return result
 

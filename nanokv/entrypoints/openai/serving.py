@@ -32,6 +32,7 @@ from nanokv.entrypoints.openai.settings import ServerSettings
 from nanokv.llm_engine import check_text
 from nanokv.output_processor import RequestState
 from nanokv.outputs import CompletionOutput, Logprob
+from nanokv.tool_calls import ToolStream, read_answer
 
 logger = logging.getLogger("nanokv")
 
@@ -336,6 +337,10 @@ class _Answer:
         # the request's first output, so a streamed echo waits for it)
         self.echo_logprobs = gen.echo and not chat and gen.logprobs is not None
         self.prompt_logprobs: list[list | None] = [None] * len(reqs)  # per prompt, once it came
+        tools = gen.tools if chat else None  # how answers are read for tool calls (None: text)
+        self.tools = tools
+        self.tool_streams = None if tools is None or not gen.stream else \
+            [ToolStream(tools.choice, tools.parser, tools.parallel) for _ in range(self.num_choices)]
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.gen.model,
@@ -392,8 +397,14 @@ class _Answer:
         else:
             choice_prompt_logprobs = None
         if self.chat:
-            choice = {"index": index, "message": {"role": self.gen.role, "content": text, "tool_calls": []},
-                      "logprobs": logprobs, "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+            message, finish_reason = {"role": self.gen.role, "content": text, "tool_calls": []}, ch.finish_reason
+            if self.tools is not None:
+                t = self.tools
+                answer = read_answer(text, ch.finish_reason, t.choice, t.parser, t.parallel)
+                message["content"], finish_reason = answer.content, answer.finish_reason
+                message["tool_calls"] = [call.as_dict() for call in answer.calls]
+            choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                      "stop_reason": ch.stop_reason}
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": ch.finish_reason,
                       "stop_reason": ch.stop_reason}
@@ -450,6 +461,10 @@ class _Answer:
                         self.usage.completion_tokens += len(c.token_ids)
                         with_logprobs = gen.logprobs is not None and bool(c.token_ids)
                         with_ids = gen.return_token_ids and bool(c.token_ids)
+                        if self.tool_streams is not None:  # text held back, calls sent whole at the end
+                            c, calls = self._tool_delta(index, c)
+                            parts += [chunk([{"index": index, "delta": {"tool_calls": [d]}, "logprobs": None,
+                                              "finish_reason": None}]) for d in calls]
                         if not c.text and c.finish_reason is None and not with_logprobs and not with_ids:
                             continue  # nothing to show yet (held back for a stop string, a partial character)
                         parts.append(chunk([self._delta_choice(index, c, offsets, with_logprobs)]))
@@ -466,6 +481,22 @@ class _Answer:
             body["usage"] = self.usage.as_dict()
             yield _sse(body)
         yield _DONE
+
+    def _tool_delta(self, index: int, c: CompletionOutput) -> tuple[CompletionOutput, list[dict]]:
+        """A streamed chat delta with tools: the content that may be sent now, and at the
+        end the calls as OpenAI streams them (per call: index, id, type, name and empty
+        arguments, then the arguments whole), with the answer's finish reason."""
+        ts = self.tool_streams[index]
+        text = ts.feed(c.text)
+        if c.finish_reason is None:
+            return dataclasses.replace(c, text=text), []
+        rest, answer = ts.finish(c.finish_reason)
+        deltas = []
+        for i, call in enumerate(answer.calls):
+            deltas.append({"index": i, "id": call.id, "type": "function",
+                           "function": {"name": call.name, "arguments": ""}})
+            deltas.append({"index": i, "function": {"arguments": call.arguments}})
+        return dataclasses.replace(c, text=text + rest, finish_reason=answer.finish_reason), deltas
 
     def _echo_choice(self, index: int, offsets: list[int] | None = None) -> dict:
         text = self.echo[index // self.gen.params.n]

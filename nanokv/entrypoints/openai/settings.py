@@ -73,6 +73,11 @@ class ServerSettings:
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
     max_log_len: int | None = None  # prompt characters and token ids a request's log line shows; None: all
+    # tool_choice "auto" (also tools without a tool_choice) is served only with both (vLLM's
+    # --enable-auto-tool-choice --tool-call-parser NAME); the parser (nanokv/tool_calls.py
+    # TOOL_PARSERS) reads calls out of the text and names the default tools prompt's format
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.api_key is not None:
@@ -93,6 +98,12 @@ class ServerSettings:
         if not self.log_stats_interval > 0:
             raise ValueError(f"$VLLM_LOG_STATS_INTERVAL must be a positive number of seconds, got "
                              f"{self.log_stats_interval}")
+        if self.tool_call_parser is not None:
+            from nanokv.tool_calls import get_parser
+
+            get_parser(self.tool_call_parser)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (hermes or smollm2)")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"--max-log-len must be >= 0, got {self.max_log_len}")
 
