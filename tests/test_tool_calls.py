@@ -9,7 +9,7 @@ import json
 import pytest
 
 from nanokv.tool_calls import (
-    MAX_REQUIRED_CALLS, Tool, ToolStream, get_parser, parse_tool_choice, parse_tools, read_answer, tool_schema,
+    MAX_ARRAY_ITEMS, MAX_REQUIRED_CALLS, MAX_SAFE_INTEGER, MAX_STRING_CHARS, Tool, closed, ToolStream, get_parser, parse_tool_choice, parse_tools, read_answer, tool_schema,
     tools_system_prompt, with_tools)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -62,18 +62,44 @@ def test_the_grammar_schema_for_required_and_named():
     assert first["properties"]["parameters"]["additionalProperties"] is False
     assert "additionalProperties" not in tools[0].parameters
     assert tool_schema(tools, "required", parallel=False)["maxItems"] == 1
-    assert tool_schema(tools, tools[1]) == {**ADD["function"]["parameters"], "additionalProperties": False}
+    assert tool_schema(tools, tools[1]) == closed(ADD["function"]["parameters"])
+    assert tool_schema(tools, tools[1])["additionalProperties"] is False
     assert tool_schema(tools, "auto") is None and tool_schema(tools, "none") is None
     # $defs move to the top, where "#/$defs/..." points; two different definitions of a name are refused
     ref = {"type": "object", "properties": {"x": {"$ref": "#/$defs/code"}}, "$defs": {"code": {"type": "string"}}}
     with_defs = parse_tools([{"type": "function", "function": {"name": "f", "parameters": ref}}, ADD])
     schema = tool_schema(with_defs, "required")
-    assert schema["$defs"] == {"code": {"type": "string"}}
+    assert schema["$defs"] == {"code": {"type": "string", "maxLength": MAX_STRING_CHARS}}
     assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
     other = {**ref, "$defs": {"code": {"type": "integer"}}}
     clash = with_defs + [Tool("g", None, other)]
     with pytest.raises(ValueError, match=r"tools\[2\].function.parameters defines \$defs.code differently"):
         tool_schema(clash, "required")
+
+
+def test_grammar_schemas_are_bounded_where_the_schema_is_not():
+    schema = {"type": "object", "properties": {
+        "s": {"type": "string"}, "short": {"type": "string", "maxLength": 5}, "day": {"type": "string",
+                                                                                   "format": "date"},
+        "e": {"type": "string", "enum": ["a"]}, "long": {"type": "string", "minLength": 1000},
+        "n": {"type": "integer"}, "pos": {"type": "integer", "minimum": 0},
+        "xs": {"type": "array", "items": {"type": "string"}}, "few": {"type": "array", "maxItems": 2},
+        "free": {"type": "object"}, "open": {"type": "object", "properties": {}, "additionalProperties": True},
+        "literal": {"const": {"type": "string", "properties": {}}},
+        "named": {"type": "object", "properties": {"properties": {"type": "integer", "minimum": 0}}}}}
+    got = closed(schema)["properties"]
+    assert got["s"]["maxLength"] == MAX_STRING_CHARS and got["long"]["maxLength"] == 1000
+    assert got["short"]["maxLength"] == 5 and "maxLength" not in got["day"] and "maxLength" not in got["e"]
+    assert (got["n"]["minimum"], got["n"]["maximum"]) == (-MAX_SAFE_INTEGER, MAX_SAFE_INTEGER)
+    assert got["pos"]["minimum"] == 0 and got["pos"]["maximum"] == MAX_SAFE_INTEGER
+    assert got["xs"]["maxItems"] == MAX_ARRAY_ITEMS and got["xs"]["items"]["maxLength"] == MAX_STRING_CHARS
+    assert got["few"]["maxItems"] == 2
+    assert "additionalProperties" not in got["free"] and got["open"]["additionalProperties"] is True
+    assert got["literal"] == schema["properties"]["literal"]  # data, not a schema
+    # a property called "properties" is a property, not a keyword
+    assert got["named"]["properties"] == {"properties": {"type": "integer", "minimum": 0,
+                                                         "maximum": MAX_SAFE_INTEGER}}
+    assert closed(schema)["additionalProperties"] is False and "additionalProperties" not in schema
 
 
 def test_hermes_parser():
@@ -226,3 +252,8 @@ def test_parse_chat_tool_rules():
     with pytest.raises(APIError) as e:
         parse_chat({**body, "tool_choice": "required", "parallel_tool_calls": "no"}, plain, tok, limits)
     assert e.value.param == "parallel_tool_calls"
+    # a tokenizer whose tag is a special token keeps it in the text for the parser (vLLM's hermes rule)
+    assert parse_chat(body, auto, tok, limits).params.skip_special_tokens
+    tok.add_tokens(["<tool_call>", "</tool_call>"], special_tokens=True)
+    assert parse_chat(body, auto, tok, limits).params.skip_special_tokens is False
+    assert parse_chat({**body, "tool_choice": "none"}, auto, tok, limits).params.skip_special_tokens

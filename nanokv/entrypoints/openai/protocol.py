@@ -19,7 +19,7 @@ from nanokv.entrypoints.openai.settings import ServerSettings
 from nanokv.llm import message_text, render_chat
 from nanokv.llm_engine import check_text
 from nanokv.sampling_params import SamplingParams, StructuredOutputsParams
-from nanokv.tool_calls import Tool, check_schemas, parse_tool_choice, parse_tools, tool_schema
+from nanokv.tool_calls import Tool, check_schemas, get_parser, parse_tool_choice, parse_tools, tool_schema
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
                 404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
@@ -237,6 +237,8 @@ def parse_chat(body: dict, settings: ServerSettings, tokenizer, limits: Limits,
             raise bad_request(str(e), "tools") from None
         # compact JSON: a small model given free whitespace can spend max_tokens on it
         kwargs["structured_outputs"] = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    elif tool_request is not None and _special(tokenizer, get_parser(tool_request.parser).start):
+        kwargs["skip_special_tokens"] = False  # the parser reads the tag (vLLM's hermes parser does the same)
     names = {"prompt": "messages"}
     if body.get("max_completion_tokens") is not None:
         kwargs["max_tokens"], names["max_tokens"] = body["max_completion_tokens"], "max_completion_tokens"
@@ -270,6 +272,11 @@ def parse_chat(body: dict, settings: ServerSettings, tokenizer, limits: Limits,
                              echo_text=echo_text, add_special_tokens=add_special,
                              return_token_ids=_get(body, "return_token_ids", bool, "true or false", False),
                              tools=tool_request)
+
+
+def _special(tokenizer, text: str) -> bool:
+    """Whether text is lost when the output is decoded with skip_special_tokens."""
+    return tokenizer.decode(tokenizer(text, add_special_tokens=False).input_ids, skip_special_tokens=True) != text
 
 
 def _tools(body: dict, settings: ServerSettings) -> tuple[list[dict] | None, ToolRequest | None]:
@@ -362,11 +369,11 @@ def model_not_found(model: str) -> APIError:
 
 def _check_messages_length(messages: list[dict], limits: Limits) -> None:
     limits.check_text(sum(len(m["content"]) + len(m["role"]) + len(m.get("name", ""))
-                          + (len(_show_all(m["tool_calls"])) if "tool_calls" in m else 0) for m in messages),
+                          + (len(_json_text(m["tool_calls"])) if "tool_calls" in m else 0) for m in messages),
                       "messages")
 
 
-def _show_all(value) -> str:
+def _json_text(value) -> str:
     try:
         return json.dumps(value)
     except (TypeError, ValueError):
