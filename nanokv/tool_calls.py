@@ -355,11 +355,15 @@ def with_tools(conversation: list[dict], tools: list[dict] | None, template_sour
     if not tools or template_reads(template_source, "tools"):
         return conversation, tools or None
     prompt = tools_system_prompt(tools, parser)
-    if conversation and conversation[0].get("role") == "system" and isinstance(conversation[0].get("content"), str):
-        first = conversation[0]
+    first = conversation[0] if conversation else {}
+    if first.get("role") == "system" and isinstance(first.get("content"), str):
         merged = f"{first['content']}\n\n{prompt}" if first["content"] else prompt
         return [{**first, "content": merged}, *conversation[1:]], None
-    return [{"role": "system", "content": prompt}, *conversation], None
+    if first.get("role") == "system" and isinstance(first.get("content"), list):  # OpenAI's parts
+        return [{**first, "content": [*first["content"], {"type": "text", "text": prompt}]}, *conversation[1:]], None
+    parts = any(isinstance(m.get("content"), list) for m in conversation)
+    content = [{"type": "text", "text": prompt}] if parts else prompt
+    return [{"role": "system", "content": content}, *conversation], None
 
 
 def _history_message(m: dict, i: int) -> dict:

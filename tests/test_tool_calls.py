@@ -189,6 +189,14 @@ def test_rendering_tools_and_history():
     conv, _ = with_tools([{"role": "system", "content": "Be brief."}] + user, [WEATHER], bare, "smollm2")
     assert conv[0]["content"].startswith("Be brief.\n\nYou may call") and "<tool_call>[{" in conv[0]["content"]
     assert len(conv) == 2
+    # OpenAI's content parts (chat_template_content_format "openai"): the prompt is a text part
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    conv, _ = with_tools(parts, [WEATHER], bare, None)
+    assert conv[0]["content"] == [{"type": "text", "text": "Be brief."},
+                                  {"type": "text", "text": tools_system_prompt([WEATHER])}] and len(conv) == 2
+    conv, _ = with_tools(parts[1:], [WEATHER], bare, None)
+    assert conv[0] == {"role": "system", "content": [{"type": "text", "text": tools_system_prompt([WEATHER])}]}
     # a template that reads tools gets them as tools=, the conversation as it was
     conv, tools = with_tools(user, [WEATHER], reads, None)
     assert tools == [WEATHER] and conv == user

@@ -27,6 +27,7 @@ from nanokv.entrypoints.openai import api_server  # noqa: E402
 from nanokv.entrypoints.openai.api_server import ServerSettings, build_app  # noqa: E402
 from nanokv.llm import render_chat  # noqa: E402
 from nanokv.llm_engine import LLMEngine  # noqa: E402
+from nanokv.tool_calls import tools_system_prompt  # noqa: E402
 
 MODEL = "tiny"
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV cache?"}]
@@ -237,6 +238,9 @@ SHOWING = ("{% for m in messages %}<{{ m.role }}>{% if m.content is string %}{{ 
            "{% if add_generation_prompt %}<assistant>{% endif %}{% if think %}<think>{% endif %}")
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
+
+
 def test_template_options_continue_final_message_and_kwargs(offline):
     tok = offline.get_tokenizer()
     prefill = [*CHAT, {"role": "assistant", "content": "A KV cache"}]
@@ -271,12 +275,12 @@ def test_template_options_continue_final_message_and_kwargs(offline):
     body = {"messages": parts, "add_generation_prompt": False}
     string = exchange(offline, [post("/tokenize", body)], settings={"chat_template": SHOWING})
     openai_parts = exchange(offline, [post("/tokenize", body),
-                                      post("/tokenize", {**body, "tools": [{"type": "function", "function": {
-                                          "name": "f", "parameters": {}}}]})],
+                                      post("/tokenize", {**body, "tools": [TOOL]})],
                             settings={"chat_template": SHOWING, "chat_template_content_format": "openai"})
     assert string[0].json()["tokens"] == text("<user>a\nb<assistant>c")
     assert openai_parts[0].json()["tokens"] == text("<user>[a][b]<assistant>[c]")
-    assert openai_parts[1].json()["tokens"] == openai_parts[0].json()["tokens"]  # tools: the template's to use
+    # a template that does not read tools gets them in the default system prompt, as a part here
+    assert openai_parts[1].json()["tokens"] == text(f"<system>[{tools_system_prompt([TOOL])}]<user>[a][b]<assistant>[c]")
 
 
 def test_the_response_role_names_the_answer(offline):
