@@ -30,6 +30,10 @@ MAX_REQUIRED_CALLS = 4
 MAX_STRING_CHARS = 256
 MAX_ARRAY_ITEMS = 8
 MAX_SAFE_INTEGER = 2**53 - 1
+# String formats llguidance writes; another (OpenAPI's password, byte, binary, ...) is an
+# annotation the grammar drops, as JSON Schema reads an unknown format
+GRAMMAR_FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
+                             "uuid"})
 _VALUES = ("enum", "const", "default", "examples")  # schema keywords whose values are data, not schemas
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
 
@@ -169,8 +173,11 @@ def closed(schema):
     if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema \
             and kind in (None, "object"):
         out["additionalProperties"] = False
-    if kind == "string" and not any(k in schema for k in ("maxLength", "enum", "const", "format")):
-        out["maxLength"] = max(MAX_STRING_CHARS, schema.get("minLength", 0))
+    if kind == "string":
+        if out.get("format") not in GRAMMAR_FORMATS:
+            out.pop("format", None)
+        if not any(k in out for k in ("maxLength", "enum", "const", "format")):
+            out["maxLength"] = max(MAX_STRING_CHARS, schema.get("minLength", 0))
     elif kind == "array" and "maxItems" not in schema:
         out["maxItems"] = max(MAX_ARRAY_ITEMS, schema.get("minItems", 0))
     elif kind == "integer":
@@ -413,7 +420,7 @@ def check_schemas(tools: list[Tool]) -> None:
         return
     for i, tool in enumerate(tools):
         try:
-            grammar = LLMatcher.grammar_from_json_schema(tool.parameters)
+            grammar = LLMatcher.grammar_from_json_schema(closed(tool.parameters))
             error = LLMatcher.validate_grammar(grammar, None)
         except (ValueError, TypeError) as e:
             error = str(e)

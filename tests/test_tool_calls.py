@@ -9,7 +9,7 @@ import json
 import pytest
 
 from nanokv.tool_calls import (
-    MAX_ARRAY_ITEMS, MAX_REQUIRED_CALLS, MAX_SAFE_INTEGER, MAX_STRING_CHARS, Tool, closed, ToolStream, get_parser, parse_tool_choice, parse_tools, read_answer, tool_schema,
+    MAX_ARRAY_ITEMS, MAX_REQUIRED_CALLS, MAX_SAFE_INTEGER, MAX_STRING_CHARS, Tool, check_schemas, closed, ToolStream, get_parser, parse_tool_choice, parse_tools, read_answer, tool_schema,
     tools_system_prompt, with_tools)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -86,7 +86,8 @@ def test_grammar_schemas_are_bounded_where_the_schema_is_not():
         "xs": {"type": "array", "items": {"type": "string"}}, "few": {"type": "array", "maxItems": 2},
         "free": {"type": "object"}, "open": {"type": "object", "properties": {}, "additionalProperties": True},
         "literal": {"const": {"type": "string", "properties": {}}},
-        "named": {"type": "object", "properties": {"properties": {"type": "integer", "minimum": 0}}}}}
+        "named": {"type": "object", "properties": {"properties": {"type": "integer", "minimum": 0}}},
+        "secret": {"type": "string", "format": "password"}}}
     got = closed(schema)["properties"]
     assert got["s"]["maxLength"] == MAX_STRING_CHARS and got["long"]["maxLength"] == 1000
     assert got["short"]["maxLength"] == 5 and "maxLength" not in got["day"] and "maxLength" not in got["e"]
@@ -96,6 +97,11 @@ def test_grammar_schemas_are_bounded_where_the_schema_is_not():
     assert got["few"]["maxItems"] == 2
     assert "additionalProperties" not in got["free"] and got["open"]["additionalProperties"] is True
     assert got["literal"] == schema["properties"]["literal"]  # data, not a schema
+    # a format llguidance does not know is an annotation: dropped, and the string bounded
+    assert got["secret"] == {"type": "string", "maxLength": MAX_STRING_CHARS} and got["day"]["format"] == "date"
+    check_schemas([Tool("f", None, schema)])
+    with pytest.raises(ValueError, match=r"tools\[0\].function.parameters \(f\) is not a usable JSON schema"):
+        check_schemas([Tool("f", None, {"type": "object", "properties": {"x": {"type": "strin"}}})])
     # a property called "properties" is a property, not a keyword
     assert got["named"]["properties"] == {"properties": {"type": "integer", "minimum": 0,
                                                          "maximum": MAX_SAFE_INTEGER}}
