@@ -55,9 +55,8 @@ class ToolCall:
     name: str
     arguments: str
 
-    def as_dict(self, index: int | None = None) -> dict:
-        d = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-        return d if index is None else {"index": index, **d}
+    def as_dict(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 def new_call_id() -> str:
