@@ -161,18 +161,38 @@ def _ckpt_name(name: str, shard: str | None) -> str:
 
 @torch.no_grad()
 def build_model(model_cls, hf_config, model_dir: str, dtype: torch.dtype, device: torch.device,
-                max_positions: int, tp=None) -> nn.Module:
+                max_positions: int, tp=None, kernels=None) -> nn.Module:
     """Instantiate on the target device and dtype (no random init), then load weights
-    (this rank's shard of them). The layers are on torch; the runner switches them to the C
-    kernels (layers/custom_op.py) where those apply."""
+    (this rank's shard of them). The layers are on torch; with `kernels` (a KernelChoice,
+    layers/custom_op.py) they are switched to the C kernels where those apply, from the
+    weight cache when it holds this model (nanokv/weight_cache.py: mapped, nothing
+    converted or packed), else converted and packed here and then cached."""
+    from nanokv import weight_cache
     from nanokv.distributed import TP
 
+    tp = tp or TP()
+    entry = None if kernels is None else weight_cache.entry_for(
+        model_dir, weight_files(model_dir), hf_config, dtype, device, tp.size, kernels)
+    if entry is not None:
+        model = _instantiate(model_cls, hf_config, dtype, device, max_positions, tp)
+        if weight_cache.restore(entry, model, kernels):
+            return model.eval()
+    model = _instantiate(model_cls, hf_config, dtype, device, max_positions, tp)
+    load_weights(model, model_dir)
+    model = model.to(device).eval()
+    if kernels is not None:
+        kernels.apply(model)
+    if entry is not None:
+        weight_cache.store(entry, model)
+    return model
+
+
+def _instantiate(model_cls, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int, tp):
+    """The model with uninitialised weights (torch.empty: no pages touched until loaded)."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(hf_config, max_positions, tp or TP())
+            return model_cls(hf_config, max_positions, tp)
     finally:
         torch.set_default_dtype(default_dtype)
-    load_weights(model, model_dir)
-    return model.to(device).eval()

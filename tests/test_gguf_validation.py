@@ -246,10 +246,10 @@ def test_a_huge_context_length_sizes_nothing_by_itself(checkpoint, tmp_path, mon
     path = _model_file(checkpoint, tmp_path, ("qwen2.context_length", 2**31, V.UINT32))
     build_model, built = model_runner.build_model, []
 
-    def guarded(model_cls, hf_config, model_dir, dtype, device, max_positions, tp=None):
+    def guarded(model_cls, hf_config, model_dir, dtype, device, max_positions, tp=None, **kwargs):
         assert max_positions <= 4096, f"a model built for {max_positions} positions"  # before it takes 17 GB
         built.append(max_positions)
-        return build_model(model_cls, hf_config, model_dir, dtype, device, max_positions, tp)
+        return build_model(model_cls, hf_config, model_dir, dtype, device, max_positions, tp, **kwargs)
 
     monkeypatch.setattr(model_runner, "build_model", guarded)
     with pytest.raises(ValueError, match=r"one max_model_len=2147483648 sequence must fit; raise "

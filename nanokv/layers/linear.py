@@ -40,8 +40,9 @@ class _Matmul(CustomOp):
     output_buffer: kernels.OutputBuffer | None = None  # where the kernel writes, when it may be reused
 
     def prepare_cpu(self, choice):
-        self.packed = kernels.pack_weight(self.weight.data, choice.weights)
-        self.out_features = self.weight.shape[0]
+        if self.packed is None:  # a weight cache hit brings it packed (nanokv/weight_cache.py)
+            self.packed = kernels.pack_weight(self.weight.data, choice.weights)
+        self.out_features = self.packed.n
         self.weight = None  # one copy of the weights, not two
         return self.forward_cpu
 
@@ -113,11 +114,12 @@ class GateUpLinear(PackedLinear):
         if not self.fuse_silu:
             return super().prepare_cpu(choice)
         i = self.output_sizes[0]
-        w = self.weight.data
-        self.packed = kernels.pack_gate_up(w[:i], w[i:], choice.weights)
-        if self.bias is not None:
-            b = self.bias.data
-            self.packed_bias = kernels.interleave_gate_up(b[:i, None], b[i:, None]).flatten()
+        if self.packed is None:  # else packed, bias too, by a weight cache hit (nanokv/weight_cache.py)
+            w = self.weight.data
+            self.packed = kernels.pack_gate_up(w[:i], w[i:], choice.weights)
+            if self.bias is not None:
+                b = self.bias.data
+                self.packed_bias = kernels.interleave_gate_up(b[:i, None], b[i:, None]).flatten()
         self.out_features = i
         self.weight = None
         return self._no_plain_product

@@ -54,12 +54,12 @@ class ModelRunner:
         # model, its rope table and the block table are sized by it: the pool only shrinks once the weights load
         kv_heads = kv_heads_of_rank(hf.num_key_value_heads, tp)[1]
         num_kv_blocks(config, bytes_per_block(config, hf.num_hidden_layers, kv_heads, config.head_dim))
-        self.model = build_model(get_model_class(config.architecture), hf, config.model,
-                                 config.dtype, self.device, config.max_model_len, tp)
-        # the C kernels or torch, for every layer at once (compiles them on first use)
+        # the C kernels or torch, for every layer at once (compiles them on first use); the model is
+        # switched over as it loads (from the weight cache when it holds this model: nanokv/weight_cache.py)
         self.kernels = choose_kernels(config.dtype, self.device, config.attention_backend, hf, tp.size,
                                       config.weight_format, config.lm_head_format)
-        self.kernels.apply(self.model)
+        self.model = build_model(get_model_class(config.architecture), hf, config.model,
+                                 config.dtype, self.device, config.max_model_len, tp, kernels=self.kernels)
         self.block_size = config.block_size
         self.backend = get_backend(self.kernels.attention_backend)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
