@@ -10,10 +10,11 @@ $NANOKV_CACHE_DIR, else $XDG_CACHE_HOME/nanokv or ~/.cache/nanokv), and a later 
 the same model maps that file read-only (no copy: the pages are the page cache's, shared
 by every process that maps the entry) and packs nothing.
 
-The entry's name is keyed by: each weight file's path, size, mtime, inode and a hash of its
-first and last MiBs (the safetensors and GGUF headers: names, shapes, types, metadata), the
-model config, the dtype, the kernel choice, the torch and gguf versions, nanokv's version
-and the source of the modules that load and pack weights (a change to them is a new key).
+The entry's name is keyed by: each weight file's path, size, mtime, ctime (which no user
+can set back: a file rewritten in place is a new key), inode and a hash of its first and
+last MiB (a safetensors header, a GGUF's metadata), the model config, the dtype, the
+kernel choice, the torch and gguf versions, nanokv's version and the source of the modules
+that load and pack weights (a change to them is a new key).
 Old entries are never removed; deleting the `weights` folder clears them all.
 
 Robustness, as the GGUF config cache and the kernel build have it:
@@ -101,7 +102,7 @@ def entry_for(model_dir: str, weight_files: list[str], hf_config, dtype: torch.d
 
 
 def _file_identity(path: str) -> list:
-    """A weight file's realpath, size, mtime, inode and a hash of its first and last MiB."""
+    """A weight file's realpath, size, mtime, ctime, inode and a hash of its first and last MiB."""
     import xxhash
 
     real = os.path.realpath(path)
@@ -112,7 +113,7 @@ def _file_identity(path: str) -> list:
         if st.st_size > _EDGE_BYTES:
             f.seek(max(_EDGE_BYTES, st.st_size - _EDGE_BYTES))
             digest.update(f.read(_EDGE_BYTES))
-    return [real, st.st_size, st.st_mtime_ns, st.st_ino, digest.hexdigest()]
+    return [real, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, digest.hexdigest()]
 
 
 def _version(distribution: str) -> str | None:
