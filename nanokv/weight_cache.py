@@ -18,7 +18,7 @@ that load and pack weights (a change to them is a new key).
 Old entries are never removed; deleting the `weights` folder clears them all.
 
 Robustness, as the GGUF config cache and the kernel build have it:
-- an entry is written whole or not at all (a temporary file, fsync, rename: fileio.py);
+- an entry is written whole or not at all (a temporary file, then a rename);
   two processes building it at once each write their own temporary file, and the one
   renamed last stays: the same bytes either way;
 - an entry is trusted only when its header parses, the file has exactly the size the
@@ -36,6 +36,7 @@ NANOKV_WEIGHT_CACHE=0 switches the cache off.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -43,6 +44,7 @@ import logging
 import mmap
 import os
 import struct
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +54,6 @@ from torch import nn
 
 import nanokv
 import nanokv.kernels.build as build
-from nanokv.fileio import write_durably
 
 logger = logging.getLogger("nanokv")
 
@@ -213,12 +214,27 @@ def store(entry: Entry, model: nn.Module) -> None:
     prefix += bytes(-len(prefix) % _ALIGN)
     try:
         entry.path.parent.mkdir(parents=True, exist_ok=True)
-        write_durably(entry.path, [prefix, *chunks])
+        _write_whole(entry.path, [prefix, *chunks])
     except OSError as e:
         logger.info("not caching the packed weights in %s: %s (NANOKV_CACHE_DIR sets a writable cache)",
                     entry.path.parent, e)
         return
     logger.info("cached the packed weights: %s (%.0f MiB)", entry.path, (len(prefix) + offset) / 2**20)
+
+
+def _write_whole(path: Path, chunks) -> None:
+    """chunks into a temporary file beside path, renamed over it: a reader sees no entry or a
+    whole one. Not fsynced (half a gigabyte takes seconds to sync on a slow disk): a crash
+    may leave a renamed file whose data never reached the disk, which the checksum refuses."""
+    fd, staged = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    try:
+        with open(fd, "wb") as f:
+            f.writelines(chunks)
+        os.replace(staged, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(staged)
+        raise
 
 
 class _Mapped:
