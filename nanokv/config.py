@@ -304,8 +304,6 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 
 def load_hf_config(model: str):
     """The checkpoint's transformers config; ValueError when `model` is no model directory."""
-    from transformers import AutoConfig
-
     import nanokv.gguf as gguf
 
     if (gguf_file := gguf.find_gguf(model)) is not None:
@@ -319,6 +317,8 @@ def load_hf_config(model: str):
     from nanokv.loader import check_layer_count_early
 
     check_layer_count_early(model)
+    from transformers import AutoConfig  # not for a GGUF: load_config avoids transformers' config classes
+
     try:
         return AutoConfig.from_pretrained(model)
     except Exception as e:  # unknown model_type and the like: report as a user error

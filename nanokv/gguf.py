@@ -14,8 +14,9 @@ its chat template and EOS id, and the weights (usually quantized). What is read 
   float32; the loader's copy into the model casts it to the compute dtype).
 - the config and the tokenizer: transformers' GGUF support (`AutoConfig` /
   `AutoTokenizer` with `gguf_file=`, which read the whole file with `GGUFReader`), once
-  per file: `load_config` and `load_tokenizer` keep what transformers derived
-  (`save_pretrained`) under `cache_dir()`, the `gguf` folder of nanokv's cache root
+  per file: `load_config` and `load_tokenizer` keep what transformers derived (the
+  config's every value, the tokenizer's `save_pretrained`) under `cache_dir()`, the
+  `gguf` folder of nanokv's cache root
   ($NANOKV_CACHE_DIR, else $XDG_CACHE_HOME/nanokv or ~/.cache/nanokv; the C kernels are
   built into its `kernels` folder), in `<file name>-<key>/config` and `.../tokenizer`,
   the key a hash of the file's content (a SHA-256 of its header: metadata and tensor
@@ -25,6 +26,10 @@ its chat template and EOS id, and the weights (usually quantized). What is read 
   removed). Entries are written atomically (a temporary folder, then os.replace); an
   entry that cannot be read is derived from the file again and rewritten, and a cache
   that cannot be written is skipped (logged at INFO): the cache never stops a load.
+  A cached load imports neither the architecture's config class nor AutoTokenizer (they
+  pull in seconds of transformers' model-loading imports): the config is a plain
+  PretrainedConfig holding the derived values (cached or not, so both loads give the
+  same object), the tokenizer is loaded by the class its entry names.
   What transformers' config leaves out is then read from the file on every load
   (`_complete_config`): head_dim, and the rope scaling (llama3's from the rope_freqs
   tensor, linear and yarn from the metadata).
@@ -142,10 +147,11 @@ def _require_gguf(path: str) -> None:
 
 def load_config(path: str):
     """transformers' config for the file, with `architectures` set (a GGUF config has none);
-    read from the cache when it holds the file's."""
+    read from the cache when it holds the file's. Given as a plain PretrainedConfig with the
+    values transformers' class for the architecture derived (`_plain_config`), cached or
+    not: importing that class pulls in transformers' model-loading stack (seconds of a
+    start that needs none of it)."""
     _require_gguf(path)
-    from transformers import AutoConfig
-
     from nanokv.model_config import check_layer_count
 
     supported = ", ".join(ARCHITECTURES)
@@ -155,20 +161,78 @@ def load_config(path: str):
     if arch in ARCHITECTURES:  # the layer count before transformers makes a list that long
         check_layer_count(header.metadata.get(f"{arch}.block_count"), config_source(path, arch, header))
     entry = _cache_entry(path, "config", header.digest)
-    config = _read_cache(entry, AutoConfig.from_pretrained)
-    if config is None:
+    values = _read_cache(entry, _read_config_values)
+    if values is None:
+        from transformers import AutoConfig
+
         try:
-            config = AutoConfig.from_pretrained(directory, gguf_file=name)
+            derived = AutoConfig.from_pretrained(directory, gguf_file=name)
         except Exception as e:  # an architecture transformers cannot read, a damaged file
             raise ValueError(f"cannot read the config of {path}: {e} (nanokv loads GGUF architectures "
                              f"{supported})") from e
-        _write_cache(entry, config, path)
+        values = json.loads(derived.to_json_string(use_diff=False))
+        _write_cache(entry, lambda folder: derived.to_json_file(os.path.join(folder, _CONFIG_FILE), use_diff=False),
+                     path)
+    config = _plain_config(values)
     config.name_or_path = directory  # as derived (the cache's copy names the cache)
     if config.model_type not in ARCHITECTURES:
         raise ValueError(f"{path} is a {config.model_type!r} GGUF; nanokv loads GGUF architectures {supported}")
     config.architectures = [ARCHITECTURES[config.model_type]]
     _complete_config(path, config, header)
     return config
+
+
+_CONFIG_FILE = "config.json"  # a config entry: every value of the derived config (not only those off its defaults)
+_PLAIN_CLASSES: dict[str, type] = {}  # model_type -> its plain config class
+
+
+def _read_config_values(folder: str) -> dict:
+    """The derived config's values a cache entry holds (ValueError if they are not there)."""
+    values = json.loads(Path(folder, _CONFIG_FILE).read_text())
+    if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
+        raise ValueError(f"{_CONFIG_FILE} holds no config")
+    return values
+
+
+def _plain_config(values: dict):
+    """A PretrainedConfig holding `values` (every attribute of the config transformers derived,
+    to_json_string(use_diff=False)), its model_type theirs, without importing the
+    architecture's config class. Values the base class drops (use_cache) are set as they are."""
+    config = _plain_class(values["model_type"]).from_dict(values)
+    kept = config.to_dict()
+    for key, value in values.items():
+        if key not in kept:
+            setattr(config, key, value)
+    return config
+
+
+def _plain_class(model_type: str) -> type:
+    """The PretrainedConfig subclass of one model_type (made once; pickled by name and state,
+    so that tensor-parallel workers receive it)."""
+    from transformers.configuration_utils import PretrainedConfig
+
+    cls = _PLAIN_CLASSES.get(model_type)
+    if cls is None:
+        def reduce(self):
+            return _unpickle_plain, (self.model_type, self.__dict__.copy())
+
+        cls = _PLAIN_CLASSES[model_type] = type("GGUFConfig", (PretrainedConfig,),
+                                                {"model_type": model_type, "__reduce__": reduce})
+    return cls
+
+
+def _unpickle_plain(model_type: str, state: dict):
+    config = _plain_class(model_type).__new__(_plain_class(model_type))
+    config.__dict__.update(state)
+    return config
+
+
+def transformers_config(config):
+    """The config as an instance of transformers' class for its architecture (what
+    `AutoModelForCausalLM.from_config` needs), from load_config's plain one."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[config.model_type].from_dict(config.to_dict())
 
 
 def _complete_config(path: str, config, header: GGUFHeader) -> None:
@@ -330,19 +394,36 @@ def load_tokenizer(path: str):
     """transformers' tokenizer for the file, with the chat template the file carries; read
     from the cache when it holds the file's."""
     _require_gguf(path)
-    from transformers import AutoTokenizer
-
     directory, name = os.path.split(os.path.abspath(path))
     entry = _cache_entry(path, "tokenizer", read_header(path).digest)
-    tokenizer = _read_cache(entry, AutoTokenizer.from_pretrained)
+    tokenizer = _read_cache(entry, _cached_tokenizer)
     if tokenizer is None:
+        from transformers import AutoTokenizer
+
         try:
             tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
         except Exception as e:
             raise ValueError(f"cannot load the tokenizer of {path}: {e}") from e
-        _write_cache(entry, tokenizer, path)
+        _write_cache(entry, tokenizer.save_pretrained, path)
     tokenizer.name_or_path = directory
     return tokenizer
+
+
+def _cached_tokenizer(folder: str):
+    """The tokenizer a cache entry holds, loaded by the class its tokenizer_config.json names
+    when that is transformers' tokenizers-backed one (what AutoTokenizer would pick, without
+    importing AutoTokenizer: a second of building transformers' table of every model)."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # transformers 4
+        TokenizersBackend = None
+    with open(os.path.join(folder, "tokenizer_config.json")) as f:
+        named = json.load(f).get("tokenizer_class")
+    if TokenizersBackend is not None and named == TokenizersBackend.__name__:
+        return TokenizersBackend.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def cache_dir() -> Path:
@@ -360,6 +441,7 @@ class _CacheEntry:
 
 
 _STAMP = "nanokv-source.json"  # in each entry: the stamp it was derived under
+_ENTRY_LAYOUT = 2  # what an entry holds (2: a config's every value, read without its transformers class)
 
 
 def _cache_entry(path: str, kind: str, digest: str) -> _CacheEntry:
@@ -373,7 +455,8 @@ def _cache_entry(path: str, kind: str, digest: str) -> _CacheEntry:
         gguf_version = importlib.metadata.version("gguf")
     except importlib.metadata.PackageNotFoundError:  # importable, but not installed (a source checkout)
         gguf_version = None
-    stamp = json.dumps({"header_sha256": digest, "transformers": transformers.__version__, "gguf": gguf_version})
+    stamp = json.dumps({"header_sha256": digest, "transformers": transformers.__version__, "gguf": gguf_version,
+                        "layout": _ENTRY_LAYOUT})
     key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
     base = os.path.basename(os.path.realpath(path)).removesuffix(".gguf")
     return _CacheEntry(cache_dir() / f"{base}-{key}" / kind, stamp)
@@ -399,8 +482,9 @@ def _read_cache(entry: _CacheEntry, load):
         return None
 
 
-def _write_cache(entry: _CacheEntry, derived, path: str) -> None:
-    """derived.save_pretrained() as the cache entry, with its stamp, atomically: written
+def _write_cache(entry: _CacheEntry, save, path: str) -> None:
+    """save(folder) (writing what was derived into it) as the cache entry, with its stamp,
+    atomically: written
     into a temporary folder beside it, then renamed, so a reader never sees half an entry.
     Skipped when the file's header changed while transformers read it (the entry would
     not be the content it is keyed by). A concurrent writer that lost the race leaves the
@@ -413,7 +497,7 @@ def _write_cache(entry: _CacheEntry, derived, path: str) -> None:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent)
         try:
-            derived.save_pretrained(tmp)
+            save(tmp)
             Path(tmp, _STAMP).write_text(entry.stamp)
             shutil.rmtree(folder, ignore_errors=True)  # one that could not be read, or of other content
             os.replace(tmp, folder)
@@ -732,7 +816,7 @@ def save_dequantized(path: str, out_dir: str) -> str:
 
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise ValueError(f"{out_dir} is not empty; give a new directory")
-    config = load_config(path)
+    config = transformers_config(load_config(path))
     with torch.device("meta"):  # the Hugging Face names of the model's tensors
         names = list(AutoModelForCausalLM.from_config(config).state_dict())
     with GGUFCheckpoint(path, config, names) as f:

@@ -195,3 +195,31 @@ def test_smollm2_warm_equals_cold(smollm2_path, root, loads):
     warm = _greedy(smollm2_path)
     assert len(loads) == 1 and len(_entries(root)) == 1
     assert warm == cold
+
+
+def test_a_hit_on_the_torch_path(checkpoint, root, loads, monkeypatch):
+    """Without the C kernels the cache holds the converted parameters, read in place by torch."""
+    monkeypatch.setenv("NANOKV_CPU_KERNELS", "0")
+    model = checkpoint("llama3-tiny")
+    cold = _greedy(model)
+    assert _greedy(model) == cold and len(loads) == 1 and len(_entries(root)) == 1
+
+
+_WARM_IMPORTS = """
+import sys
+from nanokv import LLM
+LLM(sys.argv[1], max_model_len=128, kv_cache_memory_bytes=16 << 20)
+heavy = ["transformers.models.llama.configuration_llama", "transformers.models.auto.tokenization_auto",
+         "torch.distributed.tensor"]
+print([m for m in heavy if m in sys.modules])
+"""
+
+
+def test_a_warm_gguf_load_skips_transformers_model_classes(smollm2_path, root):
+    """A GGUF whose config, tokenizer and weights are cached loads without transformers'
+    config class for the architecture or AutoTokenizer (each pulls in seconds of imports)."""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    runs = [subprocess.run([sys.executable, "-c", _WARM_IMPORTS, smollm2_path], env=env, capture_output=True,
+                           text=True, timeout=300) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
+    assert runs[1].stdout.strip().splitlines()[-1] == "[]"
