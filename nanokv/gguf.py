@@ -198,7 +198,10 @@ def _plain_config(values: dict):
     """A PretrainedConfig holding `values` (every attribute of the config transformers derived,
     to_json_string(use_diff=False)), its model_type theirs, without importing the
     architecture's config class. Values the base class drops (use_cache) are set as they are."""
-    config = _plain_class(values["model_type"]).from_dict(values)
+    cls = _plain_class(values["model_type"])
+    decode = getattr(cls, "_decode_special_floats", None)  # NaN / infinities, written as {"__float__": "NaN"}
+    values = decode(values) if decode is not None else values
+    config = cls.from_dict(values)
     kept = config.to_dict()
     for key, value in values.items():
         if key not in kept:
