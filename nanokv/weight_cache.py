@@ -14,8 +14,9 @@ The entry's name is keyed by: each weight file's path, size, mtime, ctime (which
 can set back: a file rewritten in place is a new key), inode and a hash of its first and
 last MiB (a safetensors header, a GGUF's metadata), the model config, the dtype, the
 kernel choice, the torch and gguf versions, nanokv's version and the source of the modules
-that load and pack weights (a change to them is a new key).
-Old entries are never removed; deleting the `weights` folder clears them all.
+that load and pack weights (a change to them is a new key). Writing an entry removes the
+oldest of the same model file's beyond KEEP_ENTRIES; deleting the `weights` folder clears
+them all.
 
 Robustness, as the GGUF config cache and the kernel build have it:
 - an entry is written whole or not at all (a temporary file, then a rename);
@@ -43,8 +44,10 @@ import json
 import logging
 import mmap
 import os
+import re
 import struct
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,9 +94,14 @@ def entry_for(model_dir: str, weight_files: list[str], hf_config, dtype: torch.d
     apply (switched off, not the CPU, tensor parallel: each rank holds a slice)."""
     if not enabled() or device.type != "cpu" or tp_size != 1:
         return None
+    try:
+        config = hf_config.to_json_string(use_diff=False)
+    except (TypeError, ValueError) as e:  # a value json cannot write: no key, no cache
+        logger.info("not caching the packed weights: the model config cannot be serialised (%s)", e)
+        return None
     stamp = json.dumps({
         "files": [_file_identity(f) for f in weight_files],
-        "config": hashlib.sha256(hf_config.to_json_string(use_diff=False).encode()).hexdigest(),
+        "config": hashlib.sha256(config.encode()).hexdigest(),
         "dtype": str(dtype), "kernels": repr(choice), "torch": torch.__version__, "gguf": _version("gguf"),
         "nanokv": nanokv.__version__, "source": _source_digest(), "format": _FORMAT,
     }, sort_keys=True)
@@ -220,6 +228,32 @@ def store(entry: Entry, model: nn.Module) -> None:
                     entry.path.parent, e)
         return
     logger.info("cached the packed weights: %s (%.0f MiB)", entry.path, (len(prefix) + offset) / 2**20)
+    _prune(entry)
+
+
+KEEP_ENTRIES = 3  # entries kept per model file name (its formats, or versions of nanokv); older ones removed
+STALE_TEMP_S = 3600  # a temporary file this old is a crashed writer's
+
+
+def _prune(entry: Entry) -> None:
+    """Remove this model's oldest entries beyond KEEP_ENTRIES (by mtime; the new one stays)
+    and crashed writers' temporary files. Only files named as this module names them; a
+    process that mapped a removed entry keeps its pages."""
+    base = entry.path.name[:-len("-0123456789abcdef.weights")]
+    ours = re.compile(re.escape(base) + r"-[0-9a-f]{16}\.weights")
+    try:
+        found = [(p.stat().st_mtime, p) for p in entry.path.parent.iterdir()]
+    except OSError:
+        return
+    entries = sorted(((t, p) for t, p in found if ours.fullmatch(p.name) and p != entry.path), reverse=True)
+    stale = [p for t, p in entries[KEEP_ENTRIES - 1:]]
+    now = time.time()
+    stale += [p for t, p in found if p.name.startswith(".") and ours.fullmatch(p.name[1:].rsplit("-", 1)[0])
+              and now - t > STALE_TEMP_S]
+    for p in stale:
+        with contextlib.suppress(OSError):
+            p.unlink()
+            logger.info("removed the old weight cache entry %s", p)
 
 
 def _write_whole(path: Path, chunks) -> None:

@@ -223,3 +223,29 @@ def test_a_warm_gguf_load_skips_transformers_model_classes(smollm2_path, root):
                            text=True, timeout=300) for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
     assert runs[1].stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_old_entries_of_the_model_are_pruned(checkpoint, root, loads):
+    from nanokv.weight_cache import KEEP_ENTRIES, STALE_TEMP_S
+
+    model = checkpoint("qwen3-tiny")
+    base = os.path.basename(os.path.realpath(model))
+    folder = root / "weights"
+    folder.mkdir()
+    old = [folder / f"{base}-{i:016x}.weights" for i in range(KEEP_ENTRIES)]  # written at times 1, 2, ..
+    for i, p in enumerate(old):
+        p.write_bytes(b"an older entry")
+        os.utime(p, (i + 1, i + 1))
+    crashed, writing = folder / f".{old[0].name}-abc123", folder / f".{old[1].name}-def456"
+    for p in (crashed, writing):
+        p.write_bytes(b"a temporary file")
+    os.utime(crashed, (1, 1))  # its writer is long gone; the other one's may still be writing
+    others = [folder / "notes.txt", folder / f"other-{0:016x}.weights"]  # not this model's entries
+    for p in others:
+        p.write_bytes(b"not ours to remove")
+    _greedy(model)
+    (new,) = set(folder.glob(f"{base}-*.weights")) - set(old)
+    kept = sorted(folder.glob(f"{base}-*.weights"))
+    assert len(kept) == KEEP_ENTRIES and new in kept and old[0] not in kept  # the oldest went
+    assert not crashed.exists() and writing.exists() and STALE_TEMP_S > 60
+    assert all(p.exists() for p in others)
