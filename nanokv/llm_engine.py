@@ -706,6 +706,7 @@ def load_tokenizer(model: str, use_fast: bool = True):
     if (gguf_file := gguf.find_gguf(model)) is not None:
         return gguf.load_tokenizer(gguf_file)
     from transformers import AutoTokenizer
+
     if os.path.isdir(model) and not any(os.path.isfile(os.path.join(model, f)) for f in _TOKENIZER_FILES):
         raise ValueError(f"{model} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])} or similar); "
                          "copy them from the original model repository into the directory")
