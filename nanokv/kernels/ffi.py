@@ -93,16 +93,14 @@ def load(width: int | None = None, portable: bool | str = False):
     lib.nk_rmsnorm.restype = None
     lib.nk_qk_norm_rope.argtypes = [p, i, i, i, i, p, p, f, p, p, p, p]
     lib.nk_qk_norm_rope.restype = None
-    lib.nk_top_candidates.argtypes = [p, i, p, i, i, i, p, p]
+    lib.nk_top_candidates.argtypes = [p, i, p, i, i, i, p, p, p, i, p]
     lib.nk_top_candidates.restype = None
-    lib.nk_sample_rows.argtypes = [p, i, p, i, i, i, p, p, p, p, p, p, p]
+    lib.nk_sample_rows.argtypes = [p, i, p, i, i, i, p, p, p, p, p, p, p, p, i, p]
     lib.nk_sample_rows.restype = None
-    lib.nk_argmax_rows.argtypes = [p, i, i, p]
+    lib.nk_argmax_rows.argtypes = [p, i, i, p, p, p, i, p]
     lib.nk_argmax_rows.restype = None
-    lib.nk_logprobs.argtypes = [p, i, p, i, p, i, i, p, p, p, p]
+    lib.nk_logprobs.argtypes = [p, i, p, i, p, i, i, p, p, p, p, p, i, p]
     lib.nk_logprobs.restype = None
-    lib.nk_mask_rows.argtypes = [p, i, p, i, p, i]
-    lib.nk_mask_rows.restype = None
     return lib
 
 

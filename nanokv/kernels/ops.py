@@ -8,6 +8,7 @@ import ctypes
 import platform
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -309,22 +310,47 @@ def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim:
     return q, k
 
 
-def top_candidates(logits: torch.Tensor, k: int, rows: torch.Tensor | None, block: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+class RowMasks(NamedTuple):
+    """Token masks as the sampler kernels read them: words [M, W] int32 (vLLM's packed
+    bitmask, contiguous) and index [N] int64, the row of words for each row of the logits
+    (-1: no mask). A banned token reads as -inf wherever a kernel reads its row."""
+
+    words: torch.Tensor
+    index: torch.Tensor
+
+    @staticmethod
+    def build(n: int, rows: torch.Tensor, words: torch.Tensor) -> "RowMasks":
+        """For logits of n rows whose rows rows [M] take words [M, W] in that order."""
+        index = torch.full((n,), -1, dtype=torch.long)
+        index[rows.long()] = torch.arange(len(rows))
+        return RowMasks(words.to(torch.int32).contiguous(), index)
+
+
+def _mask_args(logits: torch.Tensor, masks: RowMasks | None) -> tuple:
+    if masks is None:
+        return None, 0, None
+    words = masks.words
+    assert words.shape[1] == (logits.shape[1] + 31) // 32 and len(masks.index) == len(logits)
+    return words.data_ptr(), words.shape[1], masks.index.data_ptr()
+
+
+def top_candidates(logits: torch.Tensor, k: int, rows: torch.Tensor | None, block: int,
+                   masks: RowMasks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest logits of each row (rows [n] int64 of logits [N, V], None: all) and their
     ids, [n, k] each, largest first, ties lower id first: exactly a full sort's. block: the
-    block size of the block maxima searched first (0: the whole row)."""
+    block size of the block maxima searched first (0: the whole row). masks: banned tokens
+    read as -inf (every op below takes them the same way)."""
     n = len(logits) if rows is None else len(rows)
     vals = torch.empty(n, k)
     ids = torch.empty(n, k, dtype=torch.long)
     lib().nk_top_candidates(logits.data_ptr(), logits.shape[1], ptr(rows), n, k, block, vals.data_ptr(),
-                            ids.data_ptr())
+                            ids.data_ptr(), *_mask_args(logits, masks))
     return vals, ids
 
 
 def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, c: int, block: int, scale: torch.Tensor,
                 u: torch.Tensor | None, keys: torch.Tensor, top_p: torch.Tensor | None,
-                min_p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                min_p: torch.Tensor | None, masks: RowMasks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [n] int64, z [n] float32: the weight of each row) for n sampled rows with top_k
     off (rows [n] int64 of logits [N, V], None: all), c candidates each (found with blocks of
     `block`, 0: none); [n] float32 scale (log2(e) / T), u (the first uniform; NaN, or u None
@@ -336,32 +362,25 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, c: int, block: 
             [(rows, torch.long), (scale, torch.float32), (u, torch.float32), (keys, torch.long),
              (top_p, torch.float32), (min_p, torch.float32)]]
     lib().nk_sample_rows(logits.data_ptr(), logits.shape[1], ptr(args[0]), n, c, block, *[ptr(x) for x in args[1:]],
-                         z.data_ptr(), tokens.data_ptr())
+                         z.data_ptr(), tokens.data_ptr(), *_mask_args(logits, masks))
     return tokens, z
 
 
-def mask_rows(logits: torch.Tensor, rows: torch.Tensor | None, mask: torch.Tensor) -> None:
-    """Set to -inf, in place, each token of the rows rows (int64, None: all) of contiguous
-    float32 logits [N, V] whose bit in its row of mask [n, (V + 31) // 32] int32 is clear
-    (vLLM's packed bitmask). csrc/sampler.c's nk_mask_rows."""
-    n, words = mask.shape
-    assert logits.is_contiguous() and logits.dtype == torch.float32 and words == (logits.shape[1] + 31) // 32
-    mask = mask.to(torch.int32).contiguous()
+def argmax_rows(logits: torch.Tensor, rows: torch.Tensor | None = None,
+                masks: RowMasks | None = None) -> torch.Tensor:
+    """logits[rows].argmax(dim=1) ([n] int64; rows int64, None: all) of contiguous float32
+    logits [N, V]: the first of equal maxima, the first NaN where a row has one.
+    csrc/sampler.c's nk_argmax_rows."""
+    vocab = logits.shape[1]
     rows = None if rows is None else rows.to(torch.long).contiguous()
-    lib().nk_mask_rows(logits.data_ptr(), logits.shape[1], ptr(rows), n, mask.data_ptr(), words)
-
-
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(dim=1) ([N] int64) of contiguous float32 logits [N, V]: the first of
-    equal maxima, the first NaN where a row has one. csrc/sampler.c's nk_argmax_rows."""
-    n, vocab = logits.shape
+    n = len(logits) if rows is None else len(rows)
     out = torch.empty(n, dtype=torch.long)
-    lib().nk_argmax_rows(logits.data_ptr(), n, vocab, out.data_ptr())
+    lib().nk_argmax_rows(logits.data_ptr(), n, vocab, out.data_ptr(), ptr(rows), *_mask_args(logits, masks))
     return out
 
 
-def logprobs(logits: torch.Tensor, rows: torch.Tensor | None, picked: torch.Tensor, k: int, block: int
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def logprobs(logits: torch.Tensor, rows: torch.Tensor | None, picked: torch.Tensor, k: int, block: int,
+             masks: RowMasks | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(lse [n] float32: each row's log-sum-exp, above [n] int64: how many of its logits exceed
     picked [n], and its k largest logits and their ids [n, k], as top_candidates with blocks of
     `block`) for the n rows rows (int64, None: all) of logits [N, V]; csrc/sampler.c's nk_logprobs."""
@@ -371,7 +390,7 @@ def logprobs(logits: torch.Tensor, rows: torch.Tensor | None, picked: torch.Tens
     rows = None if rows is None else rows.to(torch.long).contiguous()
     picked = picked.float().contiguous()
     lib().nk_logprobs(logits.data_ptr(), logits.shape[1], ptr(rows), n, picked.data_ptr(), k, block, lse.data_ptr(),
-                      above.data_ptr(), vals.data_ptr(), ids.data_ptr())
+                      above.data_ptr(), vals.data_ptr(), ids.data_ptr(), *_mask_args(logits, masks))
     return lse, above, vals, ids
 
 

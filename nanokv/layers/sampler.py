@@ -3,7 +3,10 @@
 Order (vLLM's): token mask (allowed_token_ids, bad_words: a packed bitmask per constrained
 row) -> logit_bias -> min_tokens mask -> penalties -> [logprobs taken here] -> greedy argmax,
 or temperature -> top-k -> top-p -> min-p -> one draw. Greedy rows take the argmax of the
-penalised logits and are exact.
+penalised logits and are exact. On the C kernels the token mask is not written into the
+logits: each kernel reads a banned token as -inf where it reads the row (a bit test per
+token, ops.RowMasks); logit_bias, min_tokens bans and penalties leave a -inf logit -inf
+and touch allowed tokens alike, so every step after sees what masking first gives.
 
 A sampled row inverts its CDF with one uniform u: its kept tokens, most likely first (ties:
 lower id first), weighted w = exp((logit - max) / T); the token is the first whose
@@ -198,10 +201,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, t: SamplingTensors,
                  generator: torch.Generator | None = None) -> SamplerOutput:
         logits = logits.float()  # [N, V]
-        if self._kernels(logits):
+        c = self._kernels(logits)
+        if c:
             logits = logits.contiguous()
-        if t.mask is not None:
-            apply_token_mask(logits, t.mask_rows, t.mask, self._kernels(logits))
+        masks = None
+        if t.mask is not None:  # C: read through the mask where each row is read, no pass of its own
+            if c:
+                masks = ops.RowMasks.build(len(logits), t.mask_rows, t.mask)
+            else:
+                apply_token_mask(logits, t.mask_rows, t.mask)
         if t.bias_ids is not None:
             logits.index_put_((t.bias_rows, t.bias_ids), t.bias_values, accumulate=True)
         if t.banned is not None:
@@ -210,24 +218,28 @@ class Sampler:
         if t.penalty_ids is not None:
             apply_penalties(logits, t)
         if t.all_greedy:
-            tokens = ops.argmax_rows(logits) if self._kernels(logits) else greedy_tokens(logits)
+            tokens = ops.argmax_rows(logits, None, masks) if c else greedy_tokens(logits)
         else:
-            tokens = self._draw(logits, t, generator)
+            tokens = self._draw(logits, t, generator, masks)
         out = SamplerOutput(tokens)
         if t.max_logprobs is not None:
-            self._logprobs(logits, t, out)
+            self._logprobs(logits, t, out, masks)
         return out
 
-    def _logprobs(self, logits: torch.Tensor, t: SamplingTensors, out: SamplerOutput) -> None:
+    def _logprobs(self, logits: torch.Tensor, t: SamplingTensors, out: SamplerOutput,
+                  masks: ops.RowMasks | None = None) -> None:
         """The asking rows' log-probabilities under the penalised logits (before temperature
         and top-k/p): the sampled token's, its rank, the top max_logprobs. Each is its logit
         minus the row's log-sum-exp, so no [A, V] log_softmax is built."""
         rows = t.logprob_rows
         tokens = out.tokens if rows is None else out.tokens[rows]
         picked = logits.gather(1, tokens[:, None]) if rows is None else logits[rows, tokens][:, None]  # [A, 1]
+        if masks is not None:  # a banned token (a row with nothing allowed) reads as -inf
+            picked = torch.where(_allowed(masks, rows, tokens)[:, None], picked, float("-inf"))
         k = t.max_logprobs
         if self._kernels(logits):  # row by row: its top k, log-sum-exp and rank in one visit
-            lse, above, vals, ids = ops.logprobs(logits, rows, picked.squeeze(1), k, _block(logits.shape[1], k))
+            lse, above, vals, ids = ops.logprobs(logits, rows, picked.squeeze(1), k, _block(logits.shape[1], k),
+                                                 masks)
         else:
             m = logits.amax(dim=1, keepdim=True)
             m = m if rows is None else m[rows]
@@ -240,8 +252,9 @@ class Sampler:
         if k > 0:
             out.top_ids, out.top_logprobs = ids, vals - lse[:, None]
 
-    def _draw(self, logits: torch.Tensor, t: SamplingTensors, generator) -> torch.Tensor:
-        """Greedy rows: argmax; the others: sample_rows."""
+    def _draw(self, logits: torch.Tensor, t: SamplingTensors, generator,
+              masks: ops.RowMasks | None = None) -> torch.Tensor:
+        """Greedy rows: argmax; the others: sample_rows (masks: the C kernels' token masks)."""
         temps = t.temperatures.tolist()
         sampled = [i for i, x in enumerate(temps) if x > 0]
         keys = dict(t.seeded or ())
@@ -249,14 +262,15 @@ class Sampler:
         scratch = self._scratch_for(logits)
         c = self._kernels(logits)
         if len(sampled) == len(temps):
-            return sample_rows(logits, None, RowSettings.build(t, None, logits.shape[1]), keys, generator, scratch, c)
+            return sample_rows(logits, None, RowSettings.build(t, None, logits.shape[1]), keys, generator, scratch, c,
+                               masks)
         dev = logits.device
         tokens = torch.empty(len(temps), dtype=torch.long, device=dev)
         greedy = list_tensor([i for i, x in enumerate(temps) if x <= 0], device=dev)
-        tokens[greedy] = greedy_tokens(logits[greedy])
+        tokens[greedy] = ops.argmax_rows(logits, greedy, masks) if c else greedy_tokens(logits[greedy])
         rows = list_tensor(sampled, device=dev)
         settings = RowSettings.build(t, rows, logits.shape[1])
-        tokens[rows] = sample_rows(logits, rows, settings, keys, generator, scratch, c)
+        tokens[rows] = sample_rows(logits, rows, settings, keys, generator, scratch, c, masks)
         return tokens
 
     def _scratch_for(self, logits: torch.Tensor):
@@ -309,16 +323,18 @@ class RowSettings(NamedTuple):
 
 def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings,
                 keys: list[int | None], generator: torch.Generator | None, scratch=None,
-                cpu_kernels: bool = False) -> torch.Tensor:
+                cpu_kernels: bool = False, masks: ops.RowMasks | None = None) -> torch.Tensor:
     """One token for each of the n sampled rows (rows of logits, None: all), [n] int64.
     keys: each row's seeded key (seed_for_token), None for the generator's draws.
     scratch(i, rows, vocab): CPU buffer i (0 or 1), reused from chunk to chunk (None: allocate).
-    cpu_kernels: in C (CPU logits, contiguous): the candidates, and rows with top_k off whole."""
+    cpu_kernels: in C (CPU logits, contiguous): the candidates, and rows with top_k off whole;
+    masks: token masks the C kernels read the rows through (the logits' rows are then read
+    only by them)."""
     vocab = logits.shape[1]
     if cpu_kernels and any(s.off_list):
-        return _sample_rows_c(logits, rows, s, keys, generator, scratch)
+        return _sample_rows_c(logits, rows, s, keys, generator, scratch, masks)
     u = uniforms(keys, 0, generator, logits.device)
-    vals, ids = top_candidates(logits, max(s.k_list), rows, cpu_kernels)  # [n, k], largest first
+    vals, ids = top_candidates(logits, max(s.k_list), rows, cpu_kernels, masks)  # [n, k], largest first
     m = vals[:, :1]
     scale = s.scale[:, None]
     w = torch.exp2((vals - m) * scale)  # candidate weights, the largest 1
@@ -376,7 +392,7 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings,
 
 
 def _sample_rows_c(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettings, keys: list[int | None],
-                   generator: torch.Generator | None, scratch) -> torch.Tensor:
+                   generator: torch.Generator | None, scratch, masks: ops.RowMasks | None) -> torch.Tensor:
     """sample_rows on the C kernels: the rows with top_k off in one call (csrc/sampler.c's
     nk_sample_rows, the same draw row by row, each row in cache from its candidates to its
     token), the others through sample_rows with their candidates in C."""
@@ -384,7 +400,7 @@ def _sample_rows_c(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettin
     c = min(CANDIDATES, vocab)
     if all(s.off_list):  # every row: no selection
         return ops.sample_rows(logits, rows, c, _block(vocab, c), s.scale, _first_uniforms_c(keys, generator),
-                               _later_keys(keys, generator), s.top_p, s.min_p)[0]
+                               _later_keys(keys, generator), s.top_p, s.min_p, masks)[0]
     off = [i for i, x in enumerate(s.off_list) if x]
     index = list_tensor(off)
     on = [i for i, x in enumerate(s.off_list) if not x]
@@ -392,14 +408,14 @@ def _sample_rows_c(logits: torch.Tensor, rows: torch.Tensor | None, s: RowSettin
     part_keys = [keys[i] for i in off]
     drawn, _ = ops.sample_rows(logits, index if rows is None else rows[index], c, _block(vocab, c), part.scale,
                                _first_uniforms_c(part_keys, generator), _later_keys(part_keys, generator),
-                               part.top_p, part.min_p)
+                               part.top_p, part.min_p, masks)
     if not on:
         return drawn
     tokens = torch.empty(n, dtype=torch.long)
     tokens[index] = drawn
     others = list_tensor(on)
     tokens[others] = sample_rows(logits, others if rows is None else rows[others], s.select(others, on),
-                                 [keys[i] for i in on], generator, scratch, True)
+                                 [keys[i] for i in on], generator, scratch, True, masks)
     return tokens
 
 
@@ -573,16 +589,16 @@ def uniforms(keys: list[int | None], draw: int, generator: torch.Generator | Non
 
 
 def top_candidates(logits: torch.Tensor, k: int, rows: torch.Tensor | None = None,
-                   cpu_kernels: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   cpu_kernels: bool = False, masks: ops.RowMasks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest logits of each row (rows of logits, None: all) and their token ids,
     [n, k] each, largest first (ties: lower id first). The k largest lie in the k blocks
     with the largest maxima, so after one pass of block maxima only those are searched.
-    cpu_kernels: in C, row by row (CPU logits, contiguous)."""
+    cpu_kernels: in C, row by row (CPU logits, contiguous), reading through masks if given."""
     vocab = logits.shape[1]
     n = len(logits) if rows is None else len(rows)
     block = _block(vocab, k)
     if cpu_kernels:
-        return ops.top_candidates(logits, k, rows, block)
+        return ops.top_candidates(logits, k, rows, block, masks)
     if block == 0:
         vals, ids = (logits if rows is None else logits[rows]).topk(k, dim=1, sorted=False)
     else:
@@ -620,15 +636,20 @@ def unpack_mask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
     return bits.view(len(mask), -1)[:, :vocab]
 
 
-def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, cpu_kernels: bool = False) -> None:
+def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:
     """Each banned token (its bit clear in mask [M, W] int32) of the rows rows [M] of
-    logits [N, V] set to -inf, in place: in C on the CPU kernels (csrc/sampler.c's
-    nk_mask_rows, which reads only the mask), else as tensor ops."""
-    if cpu_kernels:
-        ops.mask_rows(logits, rows, mask)
-        return
+    logits [N, V] set to -inf, in place, as tensor ops (CUDA, torch; the C kernels read
+    the mask where they read each row instead: ops.RowMasks)."""
     allowed = unpack_mask(mask, logits.shape[1])
     logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
+
+
+def _allowed(masks: ops.RowMasks, rows: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+    """[A] bool: whether each token tokens [A] is allowed in its row (rows of the logits,
+    None: all) by masks (rows without a mask allow everything)."""
+    index = masks.index if rows is None else masks.index[rows]
+    words = masks.words[index.clamp(min=0), tokens >> 5].long()
+    return (index < 0) | ((words >> (tokens & 31)) & 1 != 0)
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> None:

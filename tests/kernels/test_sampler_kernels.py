@@ -71,10 +71,10 @@ def _z(x, scale, block=0):
     return z
 
 
-def stable_top_candidates(logits, k, rows=None, cpu_kernels=False):
+def stable_top_candidates(logits, k, rows=None, cpu_kernels=False, masks=None):
     """sampler.top_candidates with the torch path's ties broken as the kernel's (lower id first)."""
     if cpu_kernels:
-        return kernels.ops.top_candidates(logits, k, rows, 0)
+        return kernels.ops.top_candidates(logits, k, rows, 0, masks)
     return full_sort(logits if rows is None else logits[rows], k)
 
 
@@ -199,31 +199,130 @@ def random_bitmask(n, vocab, g, density):
     return words.to(torch.int32)
 
 
+@pytest.fixture(params=[8, 16, "portable"])
+def isa(request, monkeypatch):
+    """Every build the sampler kernels run as: 8 and 16 floats wide (AVX2, AVX-512, or pairs
+    of 8-wide instructions), and the plain-C one (NK_PORTABLE: no intrinsics)."""
+    if request.param == "portable":
+        library = kernels.ffi.load(None, portable=True)
+        monkeypatch.setattr(kernels.ops, "lib", lambda: library)
+    else:
+        monkeypatch.setenv("NANOKV_CPU_WIDTH", str(request.param))
+        assert kernels.ffi.lib().nk_width() == request.param
+    return request.param
+
+
+def _masked_case(vocab, g, n=9):
+    """Logits [n, vocab] and masks on rows 0, 2, 3, 5, 6, 8: random words of several
+    densities, all-banned-but-one rows, a row with every token allowed, and, behind banned
+    bits, +inf and NaN logits that the mask must hide."""
+    x = torch.randn(n, vocab, generator=g) * 3
+    rows = torch.tensor([0, 2, 3, 5, 6, 8])
+    mask = random_bitmask(len(rows), vocab, g, 0.05)
+    mask[1] = random_bitmask(1, vocab, g, 0.6)[0]
+    for i, keep in ((2, vocab - 1), (3, 0), (5, vocab // 2)):  # one token allowed
+        mask[i] = 0
+        mask[i, keep // 32] = torch.tensor(1 << (keep % 32), dtype=torch.int64).to(torch.int32)
+    mask[4] = -1  # every token allowed
+    mask[0, 1:3] = 0  # whole words banned
+    for i, r in enumerate(rows.tolist()):
+        allowed = sampler_module.unpack_mask(mask[i:i + 1], vocab)[0]
+        banned = (~allowed).nonzero().squeeze(1)
+        if len(banned) > 2:
+            x[r, banned[0]] = float("inf")
+            x[r, banned[-1]] = float("nan")
+    ref = x.clone()
+    sampler_module.apply_token_mask(ref, rows, mask)  # the tensor-ops path: the reference
+    return x, ref, kernels.ops.RowMasks.build(n, rows, mask), rows, mask
+
+
+def _same(a, b):
+    """Equal bit for bit, NaN where the other has NaN (a row with every token banned weighs NaN)."""
+    return a.dtype == b.dtype and a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
 @pytest.mark.parametrize("vocab", [31, 1000, 1029, 49152])
-def test_token_mask_in_c_equals_the_torch_reference(width, vocab):  # noqa: F811
-    """nk_mask_rows (the CPU path) bans exactly the tokens the torch path's unpacked mask
-    bans, on rows given and all rows, with full words, empty words and mixed ones; the
-    torch path's unpacking is itself checked bit by bit."""
+def test_fused_mask_kernels_read_what_masking_first_gives(isa, vocab):
+    """Every sampler kernel reading the rows through a token mask (a bit test where it reads
+    the row) gives, bit for bit, what it gives on the logits the torch path's masked_fill
+    leaves: argmax, top candidates (with and without blocks), the draw with top_k off
+    (fused and unfused read, top-p, min-p, seeded and the generator's uniforms) and logprobs;
+    on all rows and on rows picked out. The logits themselves are not written."""
+    ops = kernels.ops
     g = torch.Generator().manual_seed(vocab)
-    for density in (0.0, 0.02, 0.5, 0.97, 1.0):
-        x = torch.randn(6, vocab, generator=g)
-        mask = random_bitmask(3, vocab, g, density)
-        mask[1, ::2] = -1  # all allowed: those words touch nothing
-        rows = torch.tensor([4, 0, 2])
-        ref, got = x.clone(), x.clone()
-        sampler_module.apply_token_mask(ref, rows, mask, cpu_kernels=False)
-        sampler_module.apply_token_mask(got, rows, mask, cpu_kernels=True)
-        assert torch.equal(got, ref), density
-        allowed = [[bool(int(mask[i, t // 32]) >> (t % 32) & 1) for t in range(vocab)] for i in range(3)]
-        expect = x.clone()
-        for i, r in enumerate(rows.tolist()):
-            expect[r, [t for t in range(vocab) if not allowed[i][t]]] = float("-inf")
-        assert torch.equal(ref, expect)
-        whole = random_bitmask(6, vocab, g, density)
-        a, b = x.clone(), x.clone()
-        kernels.ops.mask_rows(a, None, whole)
-        sampler_module.apply_token_mask(b, torch.arange(6), whole, cpu_kernels=False)
-        assert torch.equal(a, b)
+    x, ref, masks, _, _ = _masked_case(vocab, g)
+    before = x.clone()
+    n = len(x)
+    picked_rows = torch.tensor([8, 1, 3, 0])
+    for rows in (None, picked_rows):
+        m = n if rows is None else len(rows)
+        assert torch.equal(ops.argmax_rows(x, rows, masks), ops.argmax_rows(ref, rows))
+        assert torch.equal(ops.argmax_rows(x, rows, masks), (ref if rows is None else ref[rows]).argmax(dim=1))
+        for k, block in ((1, 0), (5, 0), (min(20, vocab), 0), (5, 8), (3, 32)):
+            if block and vocab // block < 4 * k:
+                continue
+            got = ops.top_candidates(x, k, rows, block, masks)
+            want = ops.top_candidates(ref, k, rows, block)
+            assert all(map(_same, got, want)), (k, block)
+        c = min(64, vocab)
+        for block in {sampler_module._block(vocab, c), 0}:
+            for top_p, min_p in ((None, None), (0.9, None), (None, 0.05), (0.5, 0.01)):
+                args = [c, block, torch.full((m,), 1.3), torch.rand(m, generator=g),
+                        torch.randint(0, 1 << 62, (m,), generator=g),
+                        None if top_p is None else torch.full((m,), top_p),
+                        None if min_p is None else torch.full((m,), min_p)]
+                args[3][::2] = float("nan")  # seeded rows: their own first uniform
+                got = ops.sample_rows(x, rows, *args, masks)
+                want = ops.sample_rows(ref, rows, *args)
+                assert all(map(_same, got, want)), (block, top_p, min_p)
+        tokens = ops.argmax_rows(ref, rows)
+        picked = (ref if rows is None else ref[rows]).gather(1, tokens[:, None]).squeeze(1)
+        for k, block in ((0, 0), (4, 0), (4, 16)):
+            if block and vocab // block < 4 * k:
+                continue
+            got = ops.logprobs(x, rows, picked, k, block, masks)
+            want = ops.logprobs(ref, rows, picked, k, block)
+            assert all(map(_same, got, want)), (k, block)
+    assert _same(x, before)
+
+
+@pytest.mark.parametrize("vocab", [1029, 49152])
+def test_fused_mask_sampler_equals_the_torch_reference(isa, vocab, monkeypatch):
+    """The whole sampler, C path (mask read where the rows are read) against the torch path
+    (mask written first), on one batch mixing greedy rows, seeded sampled rows with top_k
+    off and on, top-p and min-p, logit_bias and logprobs, with all-banned-but-one rows:
+    logits whose weights are powers of two (integer logits, log2(e) / T = 1), so that every
+    sum is exact in any order and the two paths draw the same tokens. Every token is
+    allowed by its row's mask; a row allowing one token draws it with logprob 0."""
+    monkeypatch.setattr(sampler_module, "top_candidates", stable_top_candidates)
+    g = torch.Generator().manual_seed(3)
+    x, _, _, rows, mask = _masked_case(vocab, g)
+    x = x.clamp(-8, 8).round().nan_to_num(0.0, 8.0)  # integer logits (finite: the torch path's sums)
+    n = len(x)
+    temperature = math.log2(math.e)
+    temps = torch.tensor([temperature, 0.0, temperature, temperature, 0.0, temperature, temperature,
+                          temperature, temperature])
+    top_k = torch.tensor([vocab, vocab, 5, vocab, vocab, vocab, 40, vocab, vocab])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 0.9, 1.0, 1.0, 0.8, 0.7, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.02, 0.0, 0.0, 0.0])
+    out = {}
+    for c in (False, True):
+        t = SamplingTensors(temps.clone(), all_greedy=False, top_k=top_k, top_p=top_p, min_p=min_p,
+                            mask_rows=rows, mask=mask, bias_rows=torch.tensor([0, 3]),
+                            bias_ids=torch.tensor([7 % vocab, 9 % vocab]), bias_values=torch.tensor([2.0, -3.0]),
+                            seeded=[(i, seed_for_token(21, i)) for i in range(n) if temps[i] > 0],
+                            max_logprobs=3)
+        out[c] = Sampler(cpu_kernels=c)(x.clone(), t)
+    ref, got = out[False], out[True]
+    assert torch.equal(got.tokens, ref.tokens)
+    assert torch.equal(got.ranks, ref.ranks) and torch.equal(got.top_ids, ref.top_ids)
+    torch.testing.assert_close(got.logprobs, ref.logprobs)
+    torch.testing.assert_close(got.top_logprobs, ref.top_logprobs)
+    for i, r in enumerate(rows.tolist()):
+        tok = int(got.tokens[r])
+        assert int(mask[i, tok // 32]) >> (tok % 32) & 1, r
+        if sampler_module.unpack_mask(mask[i:i + 1], vocab).sum() == 1:
+            assert got.logprobs[r].item() == 0.0 and got.ranks[r].item() == 1
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8, 5.0])

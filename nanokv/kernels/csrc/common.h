@@ -65,15 +65,17 @@ void nk_qk_norm_rope(const float *qkv, long T, long Hq, long Hkv, long D, const 
                      const float *kw, float eps, const float *cos, const float *sin, float *q,
                      float *k);
 
-/* sampler.c */
+/* sampler.c (mask, W, midx: token masks read where each row is read; see nk_top_candidates) */
 void nk_top_candidates(const float *logits, long V, const int64_t *rows, long n, long k, long B, float *vals,
-                       int64_t *ids);
+                       int64_t *ids, const uint32_t *mask, long W, const int64_t *midx);
 void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, long c, long B, const float *scale,
                     const float *u, const int64_t *keys, const float *top_p, const float *min_p, float *z,
-                    int64_t *tokens);
-void nk_argmax_rows(const float *x, long n, long V, int64_t *out);
+                    int64_t *tokens, const uint32_t *mask, long W, const int64_t *midx);
+void nk_argmax_rows(const float *x, long n, long V, int64_t *out, const int64_t *rows, const uint32_t *mask, long W,
+                    const int64_t *midx);
 void nk_logprobs(const float *logits, long V, const int64_t *rows, long n, const float *picked, long k, long B,
-                 float *lse, int64_t *above, float *vals, int64_t *ids);
+                 float *lse, int64_t *above, float *vals, int64_t *ids, const uint32_t *mask, long W,
+                 const int64_t *midx);
 
 /* runtime.c */
 int nk_width(void);

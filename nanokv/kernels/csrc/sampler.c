@@ -31,6 +31,46 @@ static inline float unkey(int32_t k) {
     return x;
 }
 
+/* ---- token masks: vLLM's packed bitmask (bit b of word w allows token 32 * w + b), applied
+ * where a row is read: a banned token reads as -inf, a bit test per token in the same pass
+ * (no pass that writes -inf first). m: the row's words, NULL for a row without a mask;
+ * offsets j are from the row's start. The kernels see exactly the logits the tensor-ops
+ * path's masked_fill leaves. */
+
+/* row r's mask words: mask + idx[r] * W, or NULL (no mask, or idx[r] < 0) */
+static inline const uint32_t *row_mask(const uint32_t *mask, long W, const int64_t *idx, long r) {
+    return mask && idx[r] >= 0 ? mask + idx[r] * W : 0;
+}
+
+static inline v8 mask8(v8 v, const uint32_t *m, long j) { /* j: a multiple of 8 */
+    if (!m) return v;
+    int32_t bits = (int32_t)(m[j >> 5] >> (j & 31) & 0xff);
+    if (bits == 0xff) return v;
+    const v8i lanes = {1, 2, 4, 8, 16, 32, 64, 128};
+    v8i keep = (((v8i){} + bits) & lanes) != 0;
+    return (v8)(((v8i)v & keep) | ((v8i)((v8){} - INFINITY) & ~keep));
+}
+
+static inline v8 mload8(const float *x, const uint32_t *m, long j) { return mask8(load8(x + j), m, j); }
+
+static inline vf mloadv(const float *x, const uint32_t *m, long j) { /* j: a multiple of VW */
+    vf v = loadv(x + j);
+    if (!m) return v;
+    int32_t bits = (int32_t)(m[j >> 5] >> (j & 31) & ((1u << VW) - 1));
+    if (bits == (1 << VW) - 1) return v;
+#if VW == 8
+    const vi lanes = {1, 2, 4, 8, 16, 32, 64, 128};
+#else
+    const vi lanes = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
+#endif
+    vi keep = (((vi){} + bits) & lanes) != 0;
+    return selectv(keep, v, splat(-INFINITY));
+}
+
+static inline float mat(const float *x, const uint32_t *m, long j) {
+    return !m || (m[j >> 5] >> (j & 31) & 1) ? x[j] : -INFINITY;
+}
+
 static int32_t kth_largest_hoare(int32_t *a, long n, long k);
 
 static inline int32_t median3(int32_t x, int32_t y, int32_t z) {
@@ -161,13 +201,13 @@ static void select_best(const int32_t *keys, const int32_t *ids, long n, long k,
         qsort(out, k, sizeof *out, cand_cmp);
 }
 
-static inline int32_t block_max_key(const float *x, long B) {
+/* the largest key of x[j0, j0 + B) (masked by m) */
+static inline int32_t block_max_key(const float *x, const uint32_t *mw, long j0, long B) {
     v8i m = {};
     m -= 0x7fffffff;
     m -= 1; /* INT32_MIN in every lane */
-    for (long j = 0; j < B; j += 8) {
-        v8i b;
-        memcpy(&b, x + j, 32);
+    for (long j = j0; j < j0 + B; j += 8) {
+        v8i b = (v8i)mload8(x, mw, j);
         b ^= (b >> 31) & 0x7fffffff;
         v8i gt = b > m;
         m = (b & gt) | (m & ~gt);
@@ -182,11 +222,12 @@ static inline int32_t block_max_key(const float *x, long B) {
 /* One row's k largest logits, largest first (ties: lower id first), as sampler.py's
  * top_candidates: blocks of B, the k blocks with the largest maxima, then the best k of
  * those blocks and the ragged end (B == 0: of the whole row). work: 5 * V ints. */
-static void top_row_given(const float *x, long V, long k, long B, int32_t *work, const int32_t *given, float *vals,
-                          int64_t *ids);
+static void top_row_given(const float *x, const uint32_t *m, long V, long k, long B, int32_t *work,
+                          const int32_t *given, float *vals, int64_t *ids);
 
-static void top_row(const float *x, long V, long k, long B, int32_t *work, float *vals, int64_t *ids) {
-    top_row_given(x, V, k, B, work, 0, vals, ids);
+static void top_row(const float *x, const uint32_t *m, long V, long k, long B, int32_t *work, float *vals,
+                    int64_t *ids) {
+    top_row_given(x, m, V, k, B, work, 0, vals, ids);
 }
 
 /* The blocks whose maxima may be among the k largest of mk[0..nb): (key, block) for each
@@ -206,9 +247,9 @@ static long block_survivors(const int32_t *mk, long nb, long k, int32_t *sk, int
 
 /* top_row with the block maxima given (keys, [V / B]; NULL: found here). The few arrays a
  * row needs lie side by side at the start of work, so that they stay in L1 while the row
- * streams past. */
-static void top_row_given(const float *x, long V, long k, long B, int32_t *work, const int32_t *given, float *vals,
-                          int64_t *ids) {
+ * streams past. m: the row's mask words (NULL: none). */
+static void top_row_given(const float *x, const uint32_t *m, long V, long k, long B, int32_t *work,
+                          const int32_t *given, float *vals, int64_t *ids) {
     struct cand *best;
     if (B) {
         long nb = V / B, pool = (k + 1) * B, P = 0; /* pool: k blocks and the ragged end (< B) */
@@ -216,7 +257,7 @@ static void top_row_given(const float *x, long V, long k, long B, int32_t *work,
                 *mk = tmp + (nb > pool ? nb : pool); /* mk: nb ints, if not given */
         best = (struct cand *)(mk + nb);
         if (!given) {
-            for (long b = 0; b < nb; b++) mk[b] = block_max_key(x + b * B, B);
+            for (long b = 0; b < nb; b++) mk[b] = block_max_key(x, m, b * B, B);
             given = mk;
         }
         long c = block_survivors(given, nb, k, sk, sid);
@@ -233,8 +274,7 @@ static void top_row_given(const float *x, long V, long k, long B, int32_t *work,
             if (!(sk[i] > t || (sk[i] == t && ties-- > 0))) continue;
             long j0 = (long)sid[i] * B;
             for (long j = 0; j < B; j += 8) { /* B: a multiple of 8; keep_at_least on the keys in registers */
-                v8i v;
-                memcpy(&v, x + j0 + j, 32);
+                v8i v = (v8i)mload8(x, m, j0 + j);
                 v ^= (v >> 31) & 0x7fffffff; /* fkey's, lane by lane */
                 for (int bits = mask_bits8(v >= t); bits; bits &= bits - 1) {
                     int l = __builtin_ctz(bits);
@@ -244,7 +284,7 @@ static void top_row_given(const float *x, long V, long k, long B, int32_t *work,
             }
         }
         for (long j = nb * B; j < V; j++) { /* the ragged end */
-            int32_t kj = fkey(x[j]);
+            int32_t kj = fkey(mat(x, m, j));
             pk[P] = kj;
             pid[P] = (int32_t)j;
             P += kj >= t;
@@ -253,7 +293,7 @@ static void top_row_given(const float *x, long V, long k, long B, int32_t *work,
     } else {
         int32_t *pk = work, *tmp = work + V; /* V ints each */
         best = (struct cand *)(work + 2 * V);
-        for (long j = 0; j < V; j++) pk[j] = fkey(x[j]);
+        for (long j = 0; j < V; j++) pk[j] = fkey(mat(x, m, j));
         select_best(pk, 0, V, k, tmp, best);
     }
     for (long i = 0; i < k; i++) {
@@ -263,16 +303,18 @@ static void top_row_given(const float *x, long V, long k, long B, int32_t *work,
 }
 
 /* vals, ids [n, k]: the k largest logits of each row rows[i] of logits [*, V] (rows NULL:
- * row i), largest first, ties lower id first. B: the block size (0: no blocks). */
+ * row i), largest first, ties lower id first. B: the block size (0: no blocks). Token masks
+ * (every entry point's last three arguments): logits row r reads through the W words
+ * mask + midx[r] * W where midx[r] >= 0 (mask NULL: none). */
 void nk_top_candidates(const float *logits, long V, const int64_t *rows, long n, long k, long B, float *vals,
-                       int64_t *ids) {
+                       int64_t *ids, const uint32_t *mask, long W, const int64_t *midx) {
 #pragma omp parallel if (n > 1)
     {
         int32_t *work = malloc(sizeof(int32_t) * 5 * V);
 #pragma omp for schedule(dynamic, 4)
         for (long i = 0; i < n; i++) {
             long r = rows ? rows[i] : i;
-            top_row(logits + r * V, V, k, B, work, vals + i * k, ids + i * k);
+            top_row(logits + r * V, row_mask(mask, W, midx, r), V, k, B, work, vals + i * k, ids + i * k);
         }
         free(work);
     }
@@ -314,19 +356,19 @@ static inline vf exp2_neg(vf t) {
 }
 
 /* e[j] = 2^((x[j] - m) * scale), bs[b] the float sum of block b of SB; returns the total */
-static double weights_row(const float *x, long V, float m, float scale, float *e, float *bs) {
+static double weights_row(const float *x, const uint32_t *mw, long V, float m, float scale, float *e, float *bs) {
     double total = 0;
     for (long b0 = 0, b = 0; b0 < V; b0 += SB, b++) {
         long end = b0 + SB < V ? b0 + SB : V, j = b0;
         vf acc = splat(0);
         for (; j + VW <= end; j += VW) {
-            vf w = exp2_neg((loadv(x + j) - splat(m)) * splat(scale));
+            vf w = exp2_neg((mloadv(x, mw, j) - splat(m)) * splat(scale));
             storev(e + j, w);
             acc += w;
         }
         float s = hsum(acc);
         for (; j < end; j++) {
-            vf w = exp2_neg(splat((x[j] - m) * scale));
+            vf w = exp2_neg(splat((mat(x, mw, j) - m) * scale));
             e[j] = w[0];
             s += w[0];
         }
@@ -505,8 +547,8 @@ static inline v8 block_maxima8(const v8 *v) {
  * sum then weighed 2^((mb - m) * scale). smax, ssum: a float each per SB block. A block
  * whose weights are all normal floats (known from its smallest logit) takes exp2_block,
  * the others exp2_neg; the exp work hides the fetch of the row further on (prefetched). */
-static double fused_row(const float *x, long V, long B, float scale, int32_t *mk, float *smax, float *ssum,
-                        float *e) {
+static double fused_row(const float *x, const uint32_t *mw, long V, long B, float scale, int32_t *mk, float *smax,
+                        float *ssum, float *e) {
     float m = -INFINITY;
     for (long b0 = 0, b = 0; b0 < V; b0 += SB, b++) {
         long end = b0 + SB < V ? b0 + SB : V, j = b0;
@@ -514,7 +556,8 @@ static double fused_row(const float *x, long V, long B, float scale, int32_t *mk
         if (B == 32 && end - b0 == SB) { /* 8 blocks of 32: their maxima reduced side by side */
             v8 bms[8];
             for (int q = 0; q < 8; q++, j += 32) {
-                v8 v0 = load8(x + j), v1 = load8(x + j + 8), v2 = load8(x + j + 16), v3 = load8(x + j + 24);
+                v8 v0 = mload8(x, mw, j), v1 = mload8(x, mw, j + 8), v2 = mload8(x, mw, j + 16),
+                   v3 = mload8(x, mw, j + 24);
                 any += (v0 + v1) + (v2 + v3);
                 v8 bm = max8(max8(v3, v2), max8(v1, v0)), bn = min8(min8(v3, v2), min8(v1, v0)); /* ties: the first */
                 bms[q] = bm;
@@ -528,14 +571,14 @@ static double fused_row(const float *x, long V, long B, float scale, int32_t *mk
             memcpy(mk + b0 / 32, &k, 32);
             for (int bits = mask_bits8(h == (v8){}); bits; bits &= bits - 1) { /* a zero: -0 beside +0? */
                 int l = __builtin_ctz(bits);
-                mk[b0 / 32 + l] = block_max_key(x + b0 + 32 * l, 32);
+                mk[b0 / 32 + l] = block_max_key(x, mw, b0 + 32 * l, 32);
             }
         }
         for (; j + B <= end; j += B) { /* the full blocks of B: their maxima */
-            v8 bm = load8(x + j), bn = bm;
+            v8 bm = mload8(x, mw, j), bn = bm;
             any += bm;
             for (long i = 8; i < B; i += 8) {
-                v8 v = load8(x + j + i);
+                v8 v = mload8(x, mw, j + i);
                 any += v; /* NaN from a NaN (or from infinities of both signs) */
                 bm = max8(v, bm);
                 bn = min8(v, bn);
@@ -544,20 +587,21 @@ static double fused_row(const float *x, long V, long B, float scale, int32_t *mk
             h = max8(__builtin_shufflevector(h, h, 2, 3, 0, 1, 6, 7, 4, 5), h);
             float f = h[0] > h[1] ? h[0] : h[1];
             /* a zero maximum may be -0 beside a +0: the keys decide */
-            mk[j / B] = f == 0 ? block_max_key(x + j, B) : fkey(f);
+            mk[j / B] = f == 0 ? block_max_key(x, mw, j, B) : fkey(f);
             mx = max8(bm, mx);
             mn = min8(bn, mn);
         }
         if (mask_bits8(any != any)) /* maybe a NaN, which ranks above +inf: every key of the block exact */
-            for (long q = b0; q + B <= j; q += B) mk[q / B] = block_max_key(x + q, B);
+            for (long q = b0; q + B <= j; q += B) mk[q / B] = block_max_key(x, mw, q, B);
         float mb = mx[0], lo = mn[0];
         for (int i = 1; i < 8; i++) {
             mb = mx[i] > mb ? mx[i] : mb;
             lo = mn[i] < lo ? mn[i] : lo;
         }
         for (; j < end; j++) { /* the ragged end of the row */
-            mb = x[j] > mb ? x[j] : mb;
-            lo = x[j] < lo ? x[j] : lo;
+            float xj = mat(x, mw, j);
+            mb = xj > mb ? xj : mb;
+            lo = xj < lo ? xj : lo;
         }
         smax[b] = mb;
         m = mb > m ? mb : m;
@@ -571,20 +615,20 @@ static double fused_row(const float *x, long V, long B, float scale, int32_t *mk
         if ((lo - mb) * scale >= -126.0f) { /* false for a NaN too */
             for (; j + VW <= end; j += VW) {
                 __builtin_prefetch(x + j + FUSED_AHEAD, 0, 3);
-                vf w = exp2_block((loadv(x + j) - splat(mb)) * splat(scale));
+                vf w = exp2_block((mloadv(x, mw, j) - splat(mb)) * splat(scale));
                 storev(e + j, w);
                 acc += w;
             }
         } else {
             for (; j + VW <= end; j += VW) {
                 __builtin_prefetch(x + j + FUSED_AHEAD, 0, 3);
-                vf w = exp2_neg((loadv(x + j) - splat(mb)) * splat(scale));
+                vf w = exp2_neg((mloadv(x, mw, j) - splat(mb)) * splat(scale));
                 storev(e + j, w);
                 acc += w;
             }
         }
         float sb = hsum(acc);
-        for (; j < end; j++) sb += e[j] = exp2_neg(splat((x[j] - mb) * scale))[0];
+        for (; j < end; j++) sb += e[j] = exp2_neg(splat((mat(x, mw, j) - mb) * scale))[0];
         ssum[b] = sb;
     }
     double total = 0;
@@ -626,7 +670,7 @@ static inline int flat_row(float z, float u, long c, long V, float top_p, float 
  * its settings and its uniforms alone. */
 void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, long c, long B, const float *scale,
                     const float *u, const int64_t *keys, const float *top_p, const float *min_p, float *z,
-                    int64_t *tokens) {
+                    int64_t *tokens, const uint32_t *mask, long W, const int64_t *midx) {
     long nbk = (V + SB - 1) / SB;
 #pragma omp parallel if (n > 1)
     {
@@ -640,11 +684,13 @@ void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, lo
             for (long b = 0; b < nbk; b++) f[b] = 1;
 #pragma omp for schedule(dynamic, 1)
         for (long i = 0; i < n; i++) {
-            const float *x = logits + (rows ? rows[i] : i) * V;
+            long r = rows ? rows[i] : i;
+            const float *x = logits + r * V;
+            const uint32_t *mw = row_mask(mask, W, midx, r);
             float p = top_p ? top_p[i] : 1, mp = min_p ? min_p[i] : -1, zf = 0;
             float ui = u && !isnan(u[i]) ? u[i] : nk_uniform((uint64_t)keys[i], 0); /* a seeded row's own */
             if (fused) {
-                zf = (float)fused_row(x, V, B, scale[i], mk, sx, ssum, e);
+                zf = (float)fused_row(x, mw, V, B, scale[i], mk, sx, ssum, e);
                 if (flat_row(zf, ui, c, V, p, mp)) { /* no candidates: the draw walks every token */
                     float m = -INFINITY;
                     for (long b = 0; b < nbk; b++) m = sx[b] > m ? sx[b] : m;
@@ -654,9 +700,9 @@ void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, lo
                                           (uint64_t)keys[i]);
                     continue;
                 }
-                top_row_given(x, V, c, B, work, mk, vals, ids);
+                top_row_given(x, mw, V, c, B, work, mk, vals, ids);
             } else {
-                top_row(x, V, c, B, work, vals, ids);
+                top_row(x, mw, V, c, B, work, vals, ids);
             }
             float m = vals[0];
             double acc = 0;
@@ -668,7 +714,7 @@ void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, lo
             float cand = cum[c - 1], before_last = cand - w[c - 1];
             int cut = c >= V || w[c - 1] == 0 || w[c - 1] < mp; /* the kept set ends inside the candidates */
             if (!fused) {
-                zf = (float)weights_row(x, V, m, scale[i], e, bs);
+                zf = (float)weights_row(x, mw, V, m, scale[i], e, bs);
                 memcpy(ssum, bs, sizeof(float) * nbk);
                 if (flat_row(zf, ui, c, V, p, mp)) {
                     z[i] = zf;
@@ -711,14 +757,18 @@ void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, lo
     }
 }
 
-/* out[i]: the index of the largest of row i of x [n, V] (the first of equals; the first NaN,
- * which torch's argmax takes as the largest): torch.argmax(x, dim=1), read once a row (a
- * row's maximum is found 32 floats at a time, then its first occurrence in the block of 256
- * that holds it). */
-void nk_argmax_rows(const float *x, long n, long V, int64_t *out) {
+/* out[i]: the index of the largest of row rows[i] (NULL: i) of x [*, V] (the first of equals;
+ * the first NaN, which torch's argmax takes as the largest): torch.argmax(x, dim=1), read once
+ * a row (a row's maximum is found 32 floats at a time, then its first occurrence in the block
+ * of 256 that holds it). Masked (mask, W, midx: nk_top_candidates'), 32 banned tokens (a word
+ * of zeros) are not read at all. */
+void nk_argmax_rows(const float *x, long n, long V, int64_t *out, const int64_t *rows, const uint32_t *mask, long W,
+                    const int64_t *midx) {
 #pragma omp parallel for schedule(static) if (n * V >= (1L << 20))
     for (long i = 0; i < n; i++) {
-        const float *r = x + i * V;
+        long ri = rows ? rows[i] : i;
+        const float *r = x + ri * V;
+        const uint32_t *mw = row_mask(mask, W, midx, ri);
         float m = -INFINITY;
         long at = -1, j = 0; /* at: the block of SB holding m's first occurrence */
         int nan = 0;
@@ -727,7 +777,9 @@ void nk_argmax_rows(const float *x, long n, long V, int64_t *out) {
             v8 a0 = (v8){} - INFINITY, a1 = a0, a2 = a0, a3 = a0;
             v8i bad = {};
             for (j = b0; j + 32 <= end; j += 32) {
-                v8 v0 = load8(r + j), v1 = load8(r + j + 8), v2 = load8(r + j + 16), v3 = load8(r + j + 24);
+                if (mw && mw[j >> 5] == 0) continue; /* 32 times -inf: changes neither */
+                v8 v0 = mload8(r, mw, j), v1 = mload8(r, mw, j + 8), v2 = mload8(r, mw, j + 16),
+                   v3 = mload8(r, mw, j + 24);
                 bad |= (v0 != v0) | (v1 != v1) | (v2 != v2) | (v3 != v3);
                 a0 = max8(v0, a0), a1 = max8(v1, a1), a2 = max8(v2, a2), a3 = max8(v3, a3);
             }
@@ -735,8 +787,9 @@ void nk_argmax_rows(const float *x, long n, long V, int64_t *out) {
             float bm = a0[0];
             for (int l = 1; l < 8; l++) bm = a0[l] > bm ? a0[l] : bm;
             for (; j < end; j++) {
-                bad[0] |= -(r[j] != r[j]);
-                bm = r[j] > bm ? r[j] : bm;
+                float rj = mat(r, mw, j);
+                bad[0] |= -(rj != rj);
+                bm = rj > bm ? rj : bm;
             }
             nan = mask_bits8(bad) != 0;
             if (nan || bm > m || at < 0) {
@@ -746,9 +799,9 @@ void nk_argmax_rows(const float *x, long n, long V, int64_t *out) {
         }
         long end = at + SB < V ? at + SB : V, k = at;
         if (nan) {
-            while (r[k] == r[k]) k++; /* the block holds a NaN */
+            while (mat(r, mw, k) == mat(r, mw, k)) k++; /* the block holds a NaN */
         } else {
-            while (k < end - 1 && !(r[k] == m)) k++; /* m is in the block (-0 equals +0: the first) */
+            while (k < end - 1 && !(mat(r, mw, k) == m)) k++; /* m is in the block (-0 equals +0: the first) */
         }
         out[i] = k;
     }
@@ -759,26 +812,29 @@ void nk_argmax_rows(const float *x, long n, long V, int64_t *out) {
  * (k > 0) its k largest logits and their ids (vals, ids [n, k], top_row with blocks of B),
  * found first so that the row is in cache for the sum. */
 void nk_logprobs(const float *logits, long V, const int64_t *rows, long n, const float *picked, long k, long B,
-                 float *lse, int64_t *above, float *vals, int64_t *ids) {
+                 float *lse, int64_t *above, float *vals, int64_t *ids, const uint32_t *mask, long W,
+                 const int64_t *midx) {
 #pragma omp parallel if (n > 1)
     {
         int32_t *work = k > 0 ? malloc(sizeof(int32_t) * 5 * V) : 0;
 #pragma omp for schedule(static)
         for (long i = 0; i < n; i++) {
-            const float *x = logits + (rows ? rows[i] : i) * V;
+            long r = rows ? rows[i] : i;
+            const float *x = logits + r * V;
+            const uint32_t *mw = row_mask(mask, W, midx, r);
             float m = -INFINITY;
             long j = 0;
             if (k > 0) {
-                top_row(x, V, k, B, work, vals + i * k, ids + i * k);
+                top_row(x, mw, V, k, B, work, vals + i * k, ids + i * k);
                 m = vals[i * k];
             } else {
                 vf mv = splat(-INFINITY);
                 for (; j + VW <= V; j += VW) {
-                    vf v = loadv(x + j);
+                    vf v = mloadv(x, mw, j);
                     mv = selectv(v > mv, v, mv);
                 }
                 for (int q = 0; q < VW; q++) m = mv[q] > m ? mv[q] : m;
-                for (; j < V; j++) m = x[j] > m ? x[j] : m;
+                for (; j < V; j++) m = mat(x, mw, j) > m ? mat(x, mw, j) : m;
             }
             const float scale = 1.44269504088896341f, p = picked[i];
             double total = 0;
@@ -788,15 +844,16 @@ void nk_logprobs(const float *logits, long V, const int64_t *rows, long n, const
                 vf acc = splat(0);
                 vi cnt = {};
                 for (j = b0; j + VW <= end; j += VW) {
-                    vf v = loadv(x + j);
+                    vf v = mloadv(x, mw, j);
                     acc += exp2_neg((v - splat(m)) * splat(scale));
                     cnt -= v > splat(p);
                 }
                 float s = hsum(acc);
                 for (int q = 0; q < VW; q++) count += cnt[q];
                 for (; j < end; j++) {
-                    s += exp2_neg(splat((x[j] - m) * scale))[0];
-                    count += x[j] > p;
+                    float xj = mat(x, mw, j);
+                    s += exp2_neg(splat((xj - m) * scale))[0];
+                    count += xj > p;
                 }
                 total += s;
             }
@@ -804,31 +861,5 @@ void nk_logprobs(const float *logits, long V, const int64_t *rows, long n, const
             above[i] = count;
         }
         free(work);
-    }
-}
-
-/* A token mask on the n rows rows[i] of logits [*, V]: row i's words mask[i * W ..] (vLLM's
- * packed bitmask: bit b of word w allows token 32 * w + b) set each token whose bit is clear
- * to -inf, in place. Only the mask is read: a word of all ones touches no logit, a word of
- * zeros writes its 32 tokens, any other writes its cleared bits' tokens; so a row with few
- * bans (bad_words) costs its words, not its logits. */
-void nk_mask_rows(float *logits, long V, const int64_t *rows, long n, const uint32_t *mask, long W) {
-#pragma omp parallel for schedule(static) if (n * V >= (1L << 20))
-    for (long i = 0; i < n; i++) {
-        float *x = logits + (rows ? rows[i] : i) * V;
-        const uint32_t *m = mask + i * W;
-        for (long w = 0; w < W; w++) {
-            uint32_t word = m[w];
-            long j0 = 32 * w;
-            if (word == 0xffffffffu) continue;
-            if (word == 0 && j0 + 32 <= V) {
-                for (int b = 0; b < 32; b++) x[j0 + b] = -INFINITY;
-                continue;
-            }
-            for (uint32_t c = ~word; c; c &= c - 1) {
-                long j = j0 + __builtin_ctz(c);
-                if (j < V) x[j] = -INFINITY;
-            }
-        }
     }
 }
