@@ -132,7 +132,9 @@ class GrammarConstraint:
             eos[t >> 5] |= 1 << (t & 31)
         self._eos_row = eos
 
-    def row(self, token_ids: list[int], num_prompt_tokens: int) -> array:
+    def advance(self, token_ids: list[int], num_prompt_tokens: int) -> bool:
+        """Move the matcher to the sequence's generated tokens (consume the new ones, roll
+        back what the output lost); False when it is in error (its row is then EOS only)."""
         m = self.matcher
         generated = len(token_ids) - num_prompt_tokens
         if generated < self.consumed:
@@ -143,15 +145,72 @@ class GrammarConstraint:
             self.consumed += 1
         if m.is_error():  # a token outside the grammar (cannot happen through the mask): end it
             self.consumed = generated
+            return False
+        return True
+
+    def finish(self, out, token_ids: list[int], num_prompt_tokens: int) -> None:
+        """The base constraint ANDed into out (the grammar's words, written in place: an
+        array or a numpy row of 32-bit words); EOS only where the two leave nothing."""
+        if self.base is None:
+            return
+        import numpy as np
+
+        words = np.frombuffer(out, dtype=np.uint32) if isinstance(out, array) else out.view(np.uint32)
+        np.bitwise_and(words, np.frombuffer(self.base.row(token_ids, num_prompt_tokens), dtype=np.uint32), out=words)
+        if not words.any():  # the two constraints leave nothing: end the sequence
+            words[:] = np.frombuffer(self._eos_row, dtype=np.uint32)
+
+    def row(self, token_ids: list[int], num_prompt_tokens: int) -> array:
+        if not self.advance(token_ids, num_prompt_tokens):
             return self._eos_row
         out = array("I", bytes(4 * self.words))
-        m.unsafe_compute_mask_ptr(out.buffer_info()[0], 4 * self.words)
-        if self.base is not None:
-            base = self.base.row(token_ids, num_prompt_tokens)
-            any_left = 0
-            for i in range(self.words):
-                out[i] &= base[i]
-                any_left |= out[i]
-            if not any_left:  # the two constraints leave nothing: end the sequence
-                return self._eos_row
+        self.matcher.unsafe_compute_mask_ptr(out.buffer_info()[0], 4 * self.words)
+        self.finish(out, token_ids, num_prompt_tokens)
         return out
+
+
+def _as_words(row: array, like):
+    """row's words as the numpy dtype of like (int32 words hold the same bits)."""
+    import numpy as np
+
+    return np.frombuffer(row, dtype=np.uint32).view(like.dtype)
+
+
+_EXECUTOR = None  # llguidance's thread pool for fill_masks, made at its first use
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def _executor():
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        with _EXECUTOR_LOCK:
+            if _EXECUTOR is None:
+                from llguidance import LLExecutor
+
+                _EXECUTOR = LLExecutor()
+    return _EXECUTOR
+
+
+def fill_masks(rows: list, out) -> None:
+    """Each row's words into out ([len(rows), words] C-contiguous int32 numpy): rows are
+    (constraint, token_ids, num_prompt_tokens). The grammar rows' matchers advance here,
+    then compute their masks together on llguidance's thread pool (outside the GIL), then
+    take their base constraints; the other rows copy their words."""
+    pending = []
+    for k, (c, token_ids, num_prompt) in enumerate(rows):
+        if isinstance(c, GrammarConstraint) and c.advance(token_ids, num_prompt):
+            pending.append(k)
+        else:
+            out[k] = _as_words(c.row(token_ids, num_prompt), out)
+    if not pending:
+        return
+    if len(pending) == 1:
+        k = pending[0]
+        rows[k][0].matcher.unsafe_compute_mask_ptr(out[k].ctypes.data, out.shape[1] * 4)
+    else:
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        fill_next_token_bitmask_par(_executor(), [(rows[k][0].matcher, k) for k in pending], out)
+    for k in pending:
+        c, token_ids, num_prompt = rows[k]
+        c.finish(out[k], token_ids, num_prompt)

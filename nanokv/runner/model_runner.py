@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from copy import copy
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from nanokv.attention import get_backend
 from nanokv.config import EngineConfig
 from nanokv.distributed import TP
 from nanokv.engine.types import ScheduledBatch, ScheduledSeq, StepOutput, TokenLogprobs
+from nanokv.grammar import GrammarConstraint, fill_masks
 from nanokv.layers.attention import Attention
 from nanokv.layers.custom_op import choose_kernels
 from nanokv.layers.sampler import Sampler, SamplerOutput, SamplingTensors, TokenCounts, list_tensor, seed_keys
@@ -92,6 +94,7 @@ class ModelRunner:
         # id(params) -> (params, the token ids min_tokens bans): built once per request while it
         # stays in the batch (a million ids rebuilt per row per step cost a GB a step)
         self._ban_ids: dict[int, tuple[SamplingParams, torch.Tensor]] = {}
+        self._ahead: _MasksAhead | None = None  # this step's masks, begun before its forward
         self.num_steps = 0
         self.forward_seconds = 0.0  # model forward + LM head, measured only after reset_timers()
         self._timing = False
@@ -170,8 +173,11 @@ class ModelRunner:
 
     # ---- a step ---------------------------------------------------------------------------
     def execute(self, batch: ScheduledBatch) -> StepOutput:
-        """A whole step on a single rank: inputs, forward, sampling."""
-        return self.sample(self.forward(self.prepare(batch)), batch)
+        """A whole step on a single rank: inputs, forward (with the grammar masks computed
+        alongside), sampling."""
+        inputs = self.prepare(batch)
+        self._start_masks(batch)
+        return self.sample(self.forward(inputs), batch)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -256,17 +262,25 @@ class ModelRunner:
 
     def _mask_tensors(self, t: SamplingTensors, rows: list[ScheduledSeq], masked: list[int], vocab: int) -> None:
         """The constrained rows' token masks for this step, packed into one [M, W] int32
-        array (each row's words from its constraint: nanokv/constraints.py)."""
-        words = (vocab + 31) // 32
-        parts = []
-        for i in masked:
-            s = rows[i]
-            row = s.constraint.row(s.all_token_ids, s.num_prompt_tokens)
-            assert len(row) == words, f"a mask row of {len(row)} words for a vocabulary of {vocab}"
-            parts.append(row.tobytes())
-        mask = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.int32).view(len(masked), words)
+        array (each row's words from its constraint: nanokv/constraints.py, nanokv/grammar.py),
+        or the ones _start_masks began for these rows while the model ran."""
+        ahead, self._ahead = self._ahead, None
+        mask = ahead.result(rows, masked, vocab) if ahead is not None else None
+        if mask is None:
+            mask = build_masks(rows, masked, vocab)
         t.mask_rows = list_tensor(masked, device=self.device)
         t.mask = mask.to(self.device)
+
+    def _start_masks(self, batch: ScheduledBatch) -> None:
+        """Begin this step's grammar masks on a thread while the forward runs: the tokens they
+        depend on are all known now (llguidance computes masks outside the GIL)."""
+        if self._ahead is not None:  # a step that failed after starting its masks: they touch the same matchers
+            self._ahead.thread.join()
+            self._ahead = None
+        rows = batch.seqs if batch.continues else [s for s in batch.seqs if s.sample]
+        masked = [i for i, s in enumerate(rows) if s.constraint is not None and s.params.has_token_mask]
+        if MASKS_AHEAD and any(isinstance(rows[i].constraint, GrammarConstraint) for i in masked):
+            self._ahead = _MasksAhead(rows, masked, self.config.hf_config.vocab_size)
 
     def _bans(self, params: list[SamplingParams]) -> list[tuple[int, torch.Tensor]]:
         """(row, token ids to ban below min_tokens) for the rows whose request has
@@ -389,6 +403,42 @@ class _FixedSettings:
             t.max_logprobs = max(params[i].logprobs for i in asked)
             t.logprob_rows = None if len(asked) == n else column(asked, torch.long)
         return _FixedSettings(params, vocab, t, seeded_rows, penalties)
+
+
+MASKS_AHEAD = True  # grammar masks computed on a thread during the forward (see _start_masks)
+
+
+def build_masks(rows: list[ScheduledSeq], masked: list[int], vocab: int) -> torch.Tensor:
+    """[M, W] int32: the words of the rows masked of rows, from their constraints."""
+    mask = torch.empty(len(masked), (vocab + 31) // 32, dtype=torch.int32)
+    fill_masks([(rows[i].constraint, rows[i].all_token_ids, rows[i].num_prompt_tokens) for i in masked],
+               mask.numpy())
+    return mask
+
+
+class _MasksAhead:
+    """build_masks on a thread of its own, for rows known before the forward."""
+
+    def __init__(self, rows: list[ScheduledSeq], masked: list[int], vocab: int):
+        self.key = ([rows[i].seq_id for i in masked], vocab)
+        self.mask: torch.Tensor | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(rows, masked, vocab), daemon=True)
+        self.thread.start()
+
+    def _run(self, rows, masked, vocab) -> None:
+        try:
+            with torch.inference_mode():
+                self.mask = build_masks(rows, masked, vocab)
+        except BaseException as e:  # raised where the step joins it
+            self.error = e
+
+    def result(self, rows: list[ScheduledSeq], masked: list[int], vocab: int) -> torch.Tensor | None:
+        """The mask, once built, if it is for these rows (None: build it now)."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.mask if self.key == ([rows[i].seq_id for i in masked], vocab) else None
 
 
 def _keep_rows(rows: torch.Tensor | None, device: torch.device) -> torch.Tensor:
