@@ -18,6 +18,7 @@ from benchmarks.engines import cpu_kv_budget_fraction, load_hf, nanokv_variants
 from benchmarks.micro import MICRO_SECTIONS, run_micro
 from benchmarks.report import print_report, print_side_by_side
 from benchmarks.roofline import model_dims
+from benchmarks.structured import print_structured, run_structured
 from benchmarks.throughput import run_workload
 from benchmarks.workloads import WORKLOADS, workload_spec
 
@@ -156,6 +157,9 @@ def main(argv: list[str], description: str | None = None) -> int | None:
         rate: list[float] = []
         reports = []
         for w, spec in zip(names, specs):
+            if spec.get("structured"):
+                reports.append(run_structured(w, model_dir, args.label, spec, device, args))
+                continue
             reports.append(run_workload(w, spec, model_dir, hf_model, tokenizer, dims, device, args, engines,
                                         sizes, rate))
             loaded.clear()  # reloaded for the next workload: nanokv's peak memory stays its own
@@ -166,6 +170,7 @@ def main(argv: list[str], description: str | None = None) -> int | None:
     for i, report in enumerate(reports):
         if i:
             print()
-        print_report(report)
-    if len(reports) > 1:
-        print_side_by_side(reports)
+        (print_structured if report.get("structured") else print_report)(report)
+    others = [r for r in reports if not r.get("structured")]
+    if len(others) > 1:
+        print_side_by_side(others)

@@ -248,9 +248,19 @@ def micro_sampler_section(args, model_dir: str, device: torch.device, quiet: boo
     return reports
 
 
+def micro_structured_section(args, model_dir: str, device: torch.device, quiet: bool) -> dict:
+    from benchmarks.structured import micro_structured, print_micro_structured
+
+    report = micro_structured(model_dir, device, repeats=args.micro_repeats)
+    if not quiet:
+        print_micro_structured(report)
+    return report
+
+
 # --micro's sections in the order it runs them: each measures, prints its own table unless
 # quiet, and returns what --json prints under its name
-MICRO_SECTIONS = {"host_time": micro_host_time_section, "sampler": micro_sampler_section}
+MICRO_SECTIONS = {"host_time": micro_host_time_section, "sampler": micro_sampler_section,
+                  "structured": micro_structured_section}
 
 
 def run_micro(args, model_dir: str, device: torch.device) -> None:

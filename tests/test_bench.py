@@ -135,7 +135,7 @@ def test_micro_host_time_reports_every_phase_per_context(capsys):
         assert row["mean_step_ms"] > 0
     table = capsys.readouterr().out
     assert "| context | schedule | prepare |" in table and "| mean step (ms) |" in table and "| 40 |" in table
-    assert list(micro.MICRO_SECTIONS) == ["host_time", "sampler"]
+    assert list(micro.MICRO_SECTIONS) == ["host_time", "sampler", "structured"]
 
 
 def test_micro_reports_the_sampler_per_mode(model_dir):
@@ -160,3 +160,48 @@ def test_micro_reports_the_sampler_per_mode(model_dir):
     wide = micro.fit_vocab(small, 250)  # the added tokens are rare ones: the top stays the same
     assert wide.shape == (4, 250)
     assert torch.equal(wide.topk(5).values, small.topk(5).values)
+
+
+def test_micro_structured_reports_the_mask_build_and_the_sampler_with_and_without(model_dir, capsys):
+    """--micro's structured section at a small size: the mask rows built from grammar
+    matchers, and the sampler greedy and sampled with those masks and without (timings are
+    never asserted); the masks are a JSON schema's: some tokens allowed, not all."""
+    import torch
+
+    from benchmarks.structured import micro_structured, print_micro_structured
+
+    r = micro_structured(model_dir, torch.device("cpu"), num_rows=6, steps=2, repeats=1)
+    assert r["rows"] == 6 and r["schema_fields"] == 10 and 0 < r["mean_allowed_tokens"] < r["vocab"]
+    keys = ("build_ms", "greedy_unconstrained_ms", "greedy_masked_ms", "sampled_unconstrained_ms", "sampled_masked_ms")
+    assert all(r[k] > 0 for k in keys)
+    print_micro_structured(r)
+    assert "| build rows | greedy | greedy + mask |" in capsys.readouterr().out
+
+
+def test_structured_workload_runs_the_same_requests_with_and_without_a_schema(model_dir):
+    """bench.py --workload structured-tiny: the requests constrained by a 10-field JSON schema
+    and not, the same output tokens each (EOS ignored), every constrained output JSON (or
+    its start), the ratio of their rates, and a 20-property schema's compile time with the
+    tokenizer's build apart."""
+    from benchmarks.structured import json_schema
+
+    assert len(json_schema(10)["properties"]) == 10 and len(json_schema(20)["properties"]) == 20
+    out = subprocess.run([sys.executable, "bench.py", "--workload", "structured-tiny", "--model", model_dir,
+                          "--repeats", "1", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    spec = workloads.workload_spec("structured-tiny")
+    expected = sum(r.max_tokens for r in workloads.make_workload(spec, 0, 0, tokenizer))
+    results = report["results"]
+    assert results["constrained"]["output_tokens"] == results["unconstrained"]["output_tokens"] == expected
+    assert report["ratio"] == round(results["constrained"]["tok_per_s"] / results["unconstrained"]["tok_per_s"], 3)
+    assert report["constrained_outputs_parsing"] == report["num_requests"] == 4
+    c = report["compile"]
+    assert c["properties"] == 20 and all(c[k] > 0 for k in ("tokenizer_ms", "compile_ms", "first_mask_ms"))
+    text = subprocess.run([sys.executable, "bench.py", "--workload", "structured-tiny", "--model", model_dir,
+                           "--repeats", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert text.returncode == 0, text.stderr[-2000:]
+    assert "| unconstrained tok/s | constrained tok/s | ratio |" in text.stdout and "20-property" in text.stdout
