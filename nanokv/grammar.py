@@ -176,41 +176,17 @@ def _as_words(row: array, like):
     return np.frombuffer(row, dtype=np.uint32).view(like.dtype)
 
 
-_EXECUTOR = None  # llguidance's thread pool for fill_masks, made at its first use
-_EXECUTOR_LOCK = threading.Lock()
-
-
-def _executor():
-    global _EXECUTOR
-    if _EXECUTOR is None:
-        with _EXECUTOR_LOCK:
-            if _EXECUTOR is None:
-                from llguidance import LLExecutor
-
-                _EXECUTOR = LLExecutor()
-    return _EXECUTOR
-
-
 def fill_masks(rows: list, out) -> None:
     """Each row's words into out ([len(rows), words] C-contiguous int32 numpy): rows are
-    (constraint, token_ids, num_prompt_tokens). The grammar rows' matchers advance here,
-    then compute their masks together on llguidance's thread pool (outside the GIL), then
-    take their base constraints; the other rows copy their words."""
-    pending = []
+    (constraint, token_ids, num_prompt_tokens). A grammar row's matcher advances, computes
+    its mask straight into its row of out (outside the GIL) and takes its base constraint;
+    the other rows copy their words. One row after another: llguidance's thread pool
+    (LLExecutor) measured slower on two cores, and the runner overlaps this with the
+    forward instead (runner/model_runner.py's _start_masks)."""
+    nbytes = 4 * out.shape[1]
     for k, (c, token_ids, num_prompt) in enumerate(rows):
         if isinstance(c, GrammarConstraint) and c.advance(token_ids, num_prompt):
-            pending.append(k)
+            c.matcher.unsafe_compute_mask_ptr(out[k].ctypes.data, nbytes)
+            c.finish(out[k], token_ids, num_prompt)
         else:
             out[k] = _as_words(c.row(token_ids, num_prompt), out)
-    if not pending:
-        return
-    if len(pending) == 1:
-        k = pending[0]
-        rows[k][0].matcher.unsafe_compute_mask_ptr(out[k].ctypes.data, out.shape[1] * 4)
-    else:
-        from llguidance.numpy import fill_next_token_bitmask_par
-
-        fill_next_token_bitmask_par(_executor(), [(rows[k][0].matcher, k) for k in pending], out)
-    for k in pending:
-        c, token_ids, num_prompt = rows[k]
-        c.finish(out[k], token_ids, num_prompt)
