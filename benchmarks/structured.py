@@ -96,7 +96,7 @@ def run_structured(name: str, model_dir: str, label: str, spec: dict, device: to
 
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, structured_outputs=so), use_tqdm=False)  # warm-up
     best = {}
-    valid = 0
+    valid = complete = 0
     for _ in range(args.repeats):
         for constrained in (False, True):
             sync(device)
@@ -110,12 +110,22 @@ def run_structured(name: str, model_dir: str, label: str, spec: dict, device: to
                 best[key] = dict(output_tokens=tokens, seconds=round(seconds, 2), tok_per_s=round(tokens / seconds, 1))
             if constrained:
                 valid = sum(_parses(o.outputs[0].text) for o in outs)
+                complete = sum(_complete(o.outputs[0].text) for o in outs)
     llm.close()
     ratio = best["constrained"]["tok_per_s"] / best["unconstrained"]["tok_per_s"]
     return dict(workload=name, structured=True, model=label, num_requests=len(reqs), output_lens=list(spec["output"]),
                 sampling=SAMPLING, device=str(device), threads=torch.get_num_threads(), runs=args.repeats,
                 schema_fields=10, results=best, ratio=round(ratio, 3), constrained_outputs_parsing=valid,
+                constrained_outputs_complete=complete,
                 compile=compile_times(model_dir, 20))
+
+
+def _complete(text: str) -> bool:
+    """Whether text is a whole JSON object (its schema finished before max_tokens)."""
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def _parses(text: str) -> bool:
@@ -134,7 +144,8 @@ def print_structured(report: dict) -> None:
           f"{report['device']} ({report['threads']} threads), sampled {report['sampling']}, EOS ignored, outputs "
           f"{report['output_lens'][0]}-{report['output_lens'][1]} tokens, fastest of {report['runs']} rounds; "
           f"constrained: a {report['schema_fields']}-field JSON schema ({report['constrained_outputs_parsing']}/"
-          f"{report['num_requests']} outputs JSON)\n")
+          f"{report['num_requests']} outputs JSON or its start, {report['constrained_outputs_complete']} finished "
+          f"before max_tokens)\n")
     print("| requests | output tokens | unconstrained tok/s | constrained tok/s | ratio |")
     print("|---|---|---|---|---|")
     print(f"| {report['num_requests']} | {r['constrained']['output_tokens']} | {r['unconstrained']['tok_per_s']} | "
