@@ -415,7 +415,12 @@ class LLMEngine:
 
     def kv_stats(self) -> KVStats:
         with self.lock:
-            return dataclasses.replace(self.scheduler.kv_stats(), bytes_per_token=self.runner.kv_bytes_per_token)
+            stats, runner = self.scheduler.kv_stats(), self.runner
+            committed = runner.kv_reserved_bytes  # 0 once closed
+            if runner.kv_commits_lazily:
+                committed = min(committed, stats.touched_blocks * stats.block_size * runner.kv_bytes_per_token)
+            return dataclasses.replace(stats, bytes_per_token=runner.kv_bytes_per_token,
+                                       reserved_bytes=runner.kv_reserved_bytes, committed_bytes=committed)
 
     def snapshot(self, num_handed: int = 0) -> EngineSnapshot:
         """The gauges of the metrics; num_handed: sequences a front end holds for admission."""

@@ -7,8 +7,10 @@ request whose leading blocks hash the same, *and* hold the same tokens, reuses i
 
 Freed blocks keep their cached content and wait in the free queue, least recently freed
 first, until a new allocation evicts them. Blocks with nothing cached are queued at the
-front, so they are reused before any cached content is evicted. Every operation costs
-O(blocks touched), never O(pool size).
+front, so they are reused before any cached content is evicted. Blocks never handed out
+wait between the two, lowest id first: the blocks ever used are always 0..touched_blocks-1,
+so the memory the CPU pool commits as blocks are first written (runner/kv_cache.py) is one
+compact range. Every operation costs O(blocks touched), never O(pool size).
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class BlockManager:
         self.query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # of those, tokens found
         self.peak_used_blocks = 0
+        # blocks handed out at least once: ids 0..touched_blocks-1 (never-used blocks go out lowest id first)
+        self.touched_blocks = 0
 
     # ---- queries --------------------------------------------------------------------
     @property
@@ -167,6 +171,8 @@ class BlockManager:
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
+        if block_id >= self.touched_blocks:
+            self.touched_blocks = block_id + 1
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evict its cached content
             self.num_free_cached -= 1

@@ -300,7 +300,7 @@ class Scheduler:
             peak_used_blocks=bm.peak_used_blocks, stored_tokens=used * bs - empty,
             allocated_slots=used * bs, prefix_query_tokens=bm.query_tokens,
             prefix_hit_tokens=bm.hit_tokens, num_preemptions=self.num_preemptions,
-            peak_running_seqs=self.peak_running)
+            peak_running_seqs=self.peak_running, touched_blocks=bm.touched_blocks)
 
     def stop(self, seq: Sequence, stop_reason: str) -> None:
         """Finish a running sequence for a reason found outside the scheduler (a stop

@@ -31,6 +31,13 @@ class KVStats:
     # K and V of one cached token over all layers, scales included (this rank's share of the
     # heads under tensor parallelism); 0 when unknown
     bytes_per_token: int = 0
+    touched_blocks: int = 0  # blocks handed out at least once since start: ids 0..touched_blocks-1
+    # The pool's memory (this rank's, like bytes_per_token): reserved is its whole allocation
+    # (every block and the runner's one scratch block); committed what is in memory now. On
+    # the CPU the pool commits a block's pages when it is first written, so committed is
+    # touched_blocks' bytes; on CUDA the pool is allocated whole, committed = reserved.
+    reserved_bytes: int = 0
+    committed_bytes: int = 0
 
     @property
     def usage(self) -> float:
@@ -60,6 +67,7 @@ class KVStats:
         return (f"KV cache: {self.used_blocks}/{self.num_blocks} blocks used ({self.usage:.1%}), "
                 f"{self.capacity_tokens} tokens of {self.bytes_per_token} bytes ({self.tokens_per_gib} per GiB), "
                 f"peak {self.peak_used_blocks}, {self.free_cached_blocks} free but cached; "
+                f"{self.committed_bytes / 2**20:.1f} MiB committed of {self.reserved_bytes / 2**20:.1f} reserved; "
                 f"fragmentation {self.fragmentation_tokens} tokens ({self.fragmentation:.1%}); "
                 f"prefix cache hit {self.prefix_hit_tokens}/{self.prefix_query_tokens} tokens "
                 f"({self.hit_rate:.1%}); preemptions {self.num_preemptions}; peak {self.peak_running_seqs} running")

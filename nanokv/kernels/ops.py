@@ -55,8 +55,8 @@ def release_free_memory() -> None:
 
 def huge_pages(t: torch.Tensor) -> torch.Tensor:
     """Ask Linux for transparent huge pages under a large, not yet touched CPU tensor
-    (returns t). Paged attention reads KV pages scattered over the pool and the GEMMs
-    stream every weight each step: with 4 KiB pages both miss the TLB all the time."""
+    (returns t). The GEMMs stream every weight each step: with 4 KiB pages they miss the
+    TLB all the time. (The CPU KV pool takes none: runner/kv_cache.py says why.)"""
     madvise = _madvise()
     if madvise is None or t.device.type != "cpu" or t.numel() * t.element_size() < 2 * _HUGE:
         return t

@@ -24,7 +24,8 @@ from nanokv.models import get_model_class
 from nanokv.models.llama import kv_heads_of_rank
 from nanokv.runner.cuda_graph import DecodeGraphs
 from nanokv.runner.inputs import PackedStep, StepInputs, StepPacker, unpack_step
-from nanokv.runner.kv_cache import allocate_kv_cache, bytes_per_block, bytes_per_token, num_kv_blocks
+from nanokv.runner.kv_cache import (allocate_kv_cache, bytes_per_block, bytes_per_token, commits_lazily,
+                                    num_kv_blocks)
 from nanokv.sampling_params import SAMPLING_EPS, SamplingParams
 
 logger = logging.getLogger("nanokv")
@@ -82,6 +83,8 @@ class ModelRunner:
                                             weight_bytes)
         self.kv_bytes_per_token = bytes_per_token(config, *self.kv_shape)  # this rank's shard, scales included
         self.num_blocks = 0
+        self.kv_reserved_bytes = 0  # the pool's allocation, the scratch block included
+        self.kv_commits_lazily = commits_lazily(self.device)  # its pages come as blocks are first written
         self.kv_cache: torch.Tensor | None = None  # [layers, 2, blocks, block_size, Hkv, D] pages
         self.kv_scales: torch.Tensor | None = None  # [layers, 2, blocks, block_size, Hkv, 2] (scale, zero)
         self.graphs = None
@@ -105,6 +108,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # one block more than the block manager hands out: the scratch block of padding rows
         self._set_kv_cache(*allocate_kv_cache(self.config, num_blocks + 1, *self.kv_shape))
+        self.kv_reserved_bytes = (num_blocks + 1) * self.block_size * self.kv_bytes_per_token
         first = self.attn_layers[0]  # this rank's heads
         self.backend.warm_up(first.num_heads, first.num_kv_heads, first.head_dim, self.config.dtype, self.device,
                              self.block_size, self.config.max_model_len, self.kv_cache.dtype)
@@ -118,6 +122,7 @@ class ModelRunner:
         collector reaches the engine: LLM.close() calls it. The runner cannot step after."""
         self.graphs = None
         self.kv_cache = self.kv_scales = None
+        self.kv_reserved_bytes = 0
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = layer.k_scales = layer.v_scales = None
 

@@ -181,3 +181,49 @@ def test_reset_prefix_cache_forgets_every_cached_block_only_when_none_is_used():
     assert sorted(bm.cached.values()) == [2, 3]
     bm.free(b)
     assert bm.num_free_cached == 2
+
+
+def test_never_used_blocks_go_out_lowest_id_first():
+    """touched_blocks counts the blocks ever handed out, which are always ids 0..n-1: freed
+    blocks (cached or not) are reused or wait at the back, never-used ones go in id order,
+    so the pages a CPU pool commits stay one compact range."""
+    bm = BlockManager(num_blocks=10, block_size=2)
+    assert bm.touched_blocks == 0
+    a, b = make_seq([1, 2, 3, 4, 5]), make_seq([6, 7, 8, 9])
+    admit(bm, a)  # 0, 1, 2
+    admit(bm, b)  # 3, 4
+    assert bm.touched_blocks == 5
+    computed(bm, a, 5)
+    bm.free(a)  # 2 (partial: not cached) to the front, 1 and 0 (cached) to the back
+    c = make_seq([10, 11, 12, 13, 14, 15])
+    admit(bm, c)
+    assert c.block_table == [2, 5, 6] and bm.touched_blocks == 7
+    bm.free(b)
+    bm.free(c)
+    d = make_seq(range(100, 120))  # every block: freed uncached, never used in id order, then cached
+    admit(bm, d)
+    assert d.block_table == [2, 5, 6, 3, 4, 7, 8, 9, 1, 0] and bm.touched_blocks == 10
+
+
+def test_touched_blocks_is_the_count_of_blocks_ever_handed_out():
+    """Random admissions, growth and frees with prefix hits: the ids ever handed out are
+    exactly 0..touched_blocks-1."""
+    import random
+
+    rng = random.Random(0)
+    bm = BlockManager(num_blocks=64, block_size=4)
+    live, seen, revived = [], set(), 0
+    for _ in range(400):
+        if live and (rng.random() < 0.4 or bm.num_free_blocks < 8):
+            bm.free(live.pop(rng.randrange(len(live))))
+            continue
+        # few distinct token runs, so prefixes hit and cached blocks are revived
+        seq = make_seq([rng.randrange(3) for _ in range(rng.randrange(1, 20))])
+        hits = bm.find_cached_prefix(seq)
+        revived += any(bm.blocks[b].ref_count == 0 for b in hits)
+        if bm.allocate(seq, seq.num_tokens, hits):
+            computed(bm, seq, seq.num_tokens)
+            live.append(seq)
+            seen.update(seq.block_table)
+        assert seen == set(range(bm.touched_blocks))
+    assert revived and bm.touched_blocks == 64  # cached blocks were revived; the pool filled in the end

@@ -129,6 +129,19 @@ def test_every_vllm_metric_has_vllms_type_labels_and_buckets(server, client):
     assert not [n for n in got if n.startswith("nanokv:") and n.replace("nanokv:", "vllm:") in VLLM]
 
 
+def test_kv_pool_reserved_and_committed_bytes(server, client):
+    """The CPU pool is reserved whole and committed by the blocks used so far: the tiny
+    model's block is 16 tokens of 2 layers x K, V x 2 heads x 32 float32 = 16 KiB."""
+    block_bytes = BLOCK * 2 * 2 * 2 * 32 * 4
+    client.completions.create(model=MODEL, prompt=list(range(300, 300 + 5 * BLOCK)), max_tokens=1)
+    m = wait_idle(server.url)
+    total, reserved = m["nanokv:kv_cache_total_blocks"], m["nanokv:kv_cache_reserved_bytes"]
+    committed = m["nanokv:kv_cache_committed_bytes"]
+    assert reserved == (total + 1) * block_bytes  # and the runner's scratch block
+    assert committed % block_bytes == 0 and 5 * block_bytes <= committed <= total * block_bytes
+    assert committed < reserved / 4  # a few requests touched a small part of the pool
+
+
 def test_counts_after_known_requests_include_a_non_streamed_first_token(server, client):
     before = wait_idle(server.url)
     prompt = list(range(700, 723))  # 23 new tokens: no prefix hit

@@ -98,3 +98,64 @@ def test_cuda_pool_of_a_tiny_model_is_capped(model_dir):
 
     llm = LLM(model_dir, max_model_len=512, max_num_seqs=8, enforce_eager=True)
     assert llm.llm_engine.runner.num_blocks == 8 * 512 // 16  # not 90% of the device in 16-token blocks
+
+
+# ---- the CPU pool commits memory as blocks are first used ----------------------------------
+
+POOL = 2 * GiB
+_MEASURE = r"""
+import json, random, sys
+from nanokv import LLM, SamplingParams
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+def stats(llm):
+    kv = llm.kv_stats()
+    return {k: getattr(kv, k) for k in ("num_blocks", "block_size", "bytes_per_token", "touched_blocks",
+                                        "reserved_bytes", "committed_bytes")}
+
+model, kv_dtype, backend, pool = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+base = rss()
+llm = LLM(model, kv_cache_memory_bytes=pool, max_model_len=1024, kv_cache_dtype=kv_dtype,
+          attention_backend=backend, max_num_batched_tokens=512)
+loaded, before = rss(), stats(llm)
+rng = random.Random(0)  # 8 prompts of 31 full blocks each, all different
+prompts = [{"prompt_token_ids": [rng.randrange(4, 1000) for _ in range(31 * 16)]} for _ in range(8)]
+llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+print(json.dumps({"base": base, "loaded": loaded, "ran": rss(), "before": before, "after": stats(llm)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def wide_kv_model(checkpoint):
+    # 32 KiB of float32 K/V per token (4 layers of 8 KV heads of 128), so a few requests
+    # commit a measurable amount; the rest of the model stays tiny
+    return checkpoint("qwen3-tiny", num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+                      head_dim=128)
+
+
+@pytest.mark.parametrize("kv_dtype, backend", [("auto", "cpu"), ("int8", "cpu"), ("auto", "torch")])
+def test_cpu_pool_commits_memory_as_blocks_are_first_used(wide_kv_model, kv_dtype, backend):
+    """A 2 GiB pool (measured in a fresh process): reserved whole, committed nothing and
+    RSS barely moves at start; 8 requests of 31 blocks commit exactly those blocks' bytes
+    and RSS grows by about that much, far from the pool's size."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _MEASURE, wide_kv_model, kv_dtype, backend, str(POOL)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads(proc.stdout.splitlines()[-1])
+    before, after = m["before"], m["after"]
+    block_bytes = before["block_size"] * before["bytes_per_token"]
+    assert before["reserved_bytes"] == (before["num_blocks"] + 1) * block_bytes  # and the scratch block
+    assert before["num_blocks"] == POOL // block_bytes
+    assert before["touched_blocks"] == 0 and before["committed_bytes"] == 0
+    assert m["loaded"] - m["base"] < POOL // 8  # the model is tiny: the pool is not in memory
+    assert after["touched_blocks"] == 8 * 31  # every prompt block cached, so none reused
+    assert after["committed_bytes"] == 8 * 31 * block_bytes
+    grown = m["ran"] - m["loaded"]
+    assert after["committed_bytes"] // 2 < grown < POOL // 4, (grown, after["committed_bytes"])

@@ -61,3 +61,8 @@ class _EngineCollector:
                     "server started", kv.peak_used_blocks)
         yield gauge("nanokv:kv_cache_fragmentation_tokens", "Allocated but unfilled KV slots (the tails of "
                     "running sequences' last blocks)", kv.fragmentation_tokens)
+        yield gauge("nanokv:kv_cache_reserved_bytes", "Bytes of the KV pool's allocation (this rank's, the "
+                    "scratch block included)", kv.reserved_bytes)
+        yield gauge("nanokv:kv_cache_committed_bytes", "Bytes of the KV pool in memory: on the CPU the blocks "
+                    "used at least once (pages are committed on first write); on CUDA the whole pool",
+                    kv.committed_bytes)
