@@ -103,6 +103,12 @@ def main(argv: list[str], description: str | None = None) -> int | None:
                    help="vocabulary sizes of the sampler microbenchmark (comma-separated)")
     p.add_argument("--micro-repeats", type=int, default=3,
                    help="timed rounds of each microbenchmark (after one warm-up); each keeps its fastest")
+    p.add_argument("--startup", action="store_true",
+                   help="instead of the workloads: nanokv's cold and warm LLM(model) load (new processes, "
+                        "an empty cache first) and nanokv serve's ready time, each with its peak RSS, and "
+                        "llama-server's ready time when one is found (benchmarks/startup.py)")
+    p.add_argument("--llama-server", help="--startup: the llama-server binary (default: LLAMA_CPP_BIN, a local "
+                                          "build, or PATH)")
     args = p.parse_args(argv)
     unknown = [n for n in args.micro_sections.split(",") if n and n not in MICRO_SECTIONS]
     if unknown:
@@ -115,6 +121,10 @@ def main(argv: list[str], description: str | None = None) -> int | None:
         p.error("give --model or --shape, not both")
     if not args.model and not args.shape:
         args.model, args.shape = (None, "qwen3-0.6b") if cuda else ("smollm2", None)
+    if args.startup:
+        from benchmarks.startup import main as startup_main
+
+        return startup_main(args)
     try:
         specs = [workload_spec(w, args.num_requests, args.prompt_lens, args.output_lens) for w in names]
         nanokv_variants(args)
