@@ -112,10 +112,10 @@ def allocate_kv_cache(config: EngineConfig, num_blocks: int, num_layers: int, nu
     if log:
         nbytes = cache.numel() * cache.element_size() + (0 if scales is None else scales.numel() * scales.element_size())
         per_token = bytes_per_token(config, num_layers, num_kv_heads, head_dim)
-        logger.info("KV cache (%s): %d blocks x %d tokens = %d tokens, %.2f GiB %s; %d bytes per token, "
+        logger.info("KV cache (%s): %d blocks x %d tokens = %d tokens, %.2f GiB%s; %d bytes per token, "
                     "%d tokens per GiB", config.kv_cache_dtype, num_blocks, config.block_size,
                     num_blocks * config.block_size, nbytes / (1 << 30),
-                    "reserved (committed as blocks are first used)" if commits_lazily(config.device) else "",
+                    " reserved (committed as blocks are first used)" if commits_lazily(config.device) else "",
                     per_token, (1 << 30) // per_token)
     return cache, scales
 
