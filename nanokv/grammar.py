@@ -32,7 +32,7 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
-        defaults = {"whitespace_flexible": not spec.disable_any_whitespace}
+        defaults = {"whitespace_flexible": spec.disable_any_whitespace is False}  # None: compact
         overrides = {"whitespace_pattern": spec.whitespace_pattern} if spec.whitespace_pattern else None
         try:
             return LLMatcher.grammar_from_json_schema(schema, defaults=defaults, overrides=overrides)

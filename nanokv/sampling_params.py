@@ -63,7 +63,9 @@ class StructuredOutputsParams:
     json_object=True: any JSON object. regex: the whole output matches it (Rust regex syntax).
     choice: the output is one of these strings. grammar: a Lark or GBNF grammar.
     whitespace_pattern: for json / json_object, a regex for the whitespace allowed between
-        tokens (None: JSON's whitespace); disable_any_whitespace=True: none at all.
+        tokens. disable_any_whitespace: True none at all, False JSON's whitespace, None (the
+        default) none unless whitespace_pattern is given: a sampled model free to write
+        whitespace can repeat it until max_tokens, and its output is then no JSON.
     Compiled by llguidance when the request is made; a bad spec raises ValueError then."""
 
     json: str | dict | None = None
@@ -72,7 +74,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     whitespace_pattern: str | None = None
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: bool | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in _SPEC_KINDS if getattr(self, k) not in (None, False)]
@@ -97,8 +99,9 @@ class StructuredOutputsParams:
             if isinstance(value, str) and len(value) > MAX_SPEC_CHARS:
                 raise ValueError(f"structured_outputs.{name} has {len(value)} characters; at most "
                                  f"{MAX_SPEC_CHARS} are allowed")
-        self.disable_any_whitespace = _bool("structured_outputs.disable_any_whitespace",
-                                            self.disable_any_whitespace)
+        if self.disable_any_whitespace is not None:
+            self.disable_any_whitespace = _bool("structured_outputs.disable_any_whitespace",
+                                                self.disable_any_whitespace)
 
     @classmethod
     def of(cls, value, name: str = "structured_outputs") -> "StructuredOutputsParams":

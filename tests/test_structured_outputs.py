@@ -239,3 +239,26 @@ def test_batch_cli_lines_take_response_format_and_structured_outputs_like_the_se
     errors = {r["id"]: r["error"] for r in map(json.loads, (tmp_path / "out.errors.jsonl").read_text().splitlines())}
     assert "one structured-output constraint per line" in errors["two"]
     assert "type text, json_object or json_schema" in errors["bad"]
+
+
+def test_json_is_compact_unless_whitespace_is_asked_for(llm):
+    """Unset disable_any_whitespace: no whitespace between JSON tokens (a sampled model free to
+    write it can repeat it until max_tokens); False: JSON's whitespace; a pattern: its own."""
+    from nanokv.grammar import GrammarCompiler
+
+    engine = llm.llm_engine
+    compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size, engine.config.eos_token_ids)
+    tok = engine.tokenizer
+    brace, newline, space = (tok.encode(t, add_special_tokens=False) for t in ("{", "\n", " "))
+    assert len(brace) == len(newline) == len(space) == 1
+    prompt = [1, 2, 3]
+
+    def allowed_after_brace(**ws):
+        c = compiler.constraint(compiler.compile(StructuredOutputsParams(json=PERSON, **ws)), None)
+        row = c.row(prompt + brace, len(prompt))
+        return {t: bool(row[t >> 5] >> (t & 31) & 1) for t in (newline[0], space[0])}
+
+    assert allowed_after_brace() == {newline[0]: False, space[0]: False}
+    assert allowed_after_brace(disable_any_whitespace=True) == {newline[0]: False, space[0]: False}
+    assert allowed_after_brace(disable_any_whitespace=False) == {newline[0]: True, space[0]: True}
+    assert allowed_after_brace(whitespace_pattern=r"[ ]{0,2}") == {newline[0]: False, space[0]: True}
