@@ -155,13 +155,15 @@ def test_rollback_and_lazy_advance_give_the_masks_of_a_fresh_matcher(llm):
     engine.make_request("Name:", so(json=PERSON))  # builds the engine's compiler; not queued
     grammar = engine._grammars.compile(StructuredOutputsParams(json=PERSON))
     prompt = [1, 2, 3]
-    out = engine.tokenizer.encode('{"name": "Al', add_special_tokens=False)
+    out = engine.tokenizer.encode('{"name":"Al', add_special_tokens=False)
     used = engine._grammars.constraint(grammar, None)
     for k in range(len(out) + 1):  # step by step
         used.row(prompt + out[:k], len(prompt))
     short = used.row(prompt + out[:2], len(prompt))  # the output got shorter: rolled back
     fresh = engine._grammars.constraint(grammar, None)
+    assert not fresh.matcher.is_error()
     assert short == fresh.row(prompt + out[:2], len(prompt))  # lazily advanced two tokens at once
+    assert not fresh.matcher.is_error() and not used.matcher.is_error()  # the text is JSON the grammar writes
     assert short != engine._grammars.constraint(grammar, None).row(prompt, len(prompt))
 
 
