@@ -17,6 +17,50 @@ from nanokv.constraints import TokenConstraint, mask_words
 from nanokv.sampling_params import StructuredOutputsParams
 
 MAX_CACHED_GRAMMARS = 256  # compiled specs kept per engine (the oldest goes first)
+# Bounds a JSON grammar adds where the schema gives none (closed()), so that a sampled small
+# model cannot write one value forever (an endless string or number, a growing list): strings
+# (without maxLength, enum, const or format) at most this many characters, lists at most
+# this many items, integers within JSON's safe range. Outputs stay valid against the schema.
+MAX_STRING_CHARS = 256
+MAX_ARRAY_ITEMS = 8
+MAX_SAFE_INTEGER = 2**53 - 1
+# String formats llguidance writes; another (OpenAPI's password, byte, binary, ...) is an
+# annotation the grammar drops, as JSON Schema reads an unknown format
+GRAMMAR_FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
+                             "uuid"})
+_VALUES = ("enum", "const", "default", "examples")  # schema keywords whose values are data, not schemas
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+
+
+def closed(schema):
+    """The schema narrowed for a grammar, every output still valid against it:
+    additionalProperties false on each object that lists properties and leaves it unset
+    (OpenAI's strict mode: the grammar writes the listed keys only, instead of inventing
+    keys until max_tokens), and the MAX_STRING_CHARS / MAX_ARRAY_ITEMS / MAX_SAFE_INTEGER
+    bounds where the schema sets none."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _VALUES else {name: closed(s) for name, s in v.items()}
+           if k in _SCHEMA_MAPS and isinstance(v, dict) else closed(v) for k, v in schema.items()}
+    kind = schema.get("type")
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema \
+            and kind in (None, "object"):
+        out["additionalProperties"] = False
+    if kind == "string":
+        if out.get("format") not in GRAMMAR_FORMATS:
+            out.pop("format", None)
+        if not any(k in out for k in ("maxLength", "enum", "const", "format")):
+            out["maxLength"] = max(MAX_STRING_CHARS, schema.get("minLength", 0))
+    elif kind == "array" and "maxItems" not in schema:
+        out["maxItems"] = max(MAX_ARRAY_ITEMS, schema.get("minItems", 0))
+    elif kind == "integer":
+        if "maximum" not in schema and "exclusiveMaximum" not in schema:
+            out["maximum"] = MAX_SAFE_INTEGER
+        if "minimum" not in schema and "exclusiveMinimum" not in schema:
+            out["minimum"] = -MAX_SAFE_INTEGER
+    return out
 
 
 def _grammar_text(spec: StructuredOutputsParams) -> str:
@@ -32,6 +76,7 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
+        schema = closed(schema)
         defaults = {"whitespace_flexible": spec.disable_any_whitespace is False}  # None: compact
         overrides = {"whitespace_pattern": spec.whitespace_pattern} if spec.whitespace_pattern else None
         try:

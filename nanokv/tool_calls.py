@@ -16,6 +16,8 @@ import json
 import secrets
 from dataclasses import dataclass
 
+from nanokv.grammar import GRAMMAR_FORMATS, MAX_ARRAY_ITEMS, MAX_SAFE_INTEGER, MAX_STRING_CHARS, closed  # noqa: F401
+
 TOOL_CHOICES = ("none", "auto", "required")  # besides {"type": "function", "function": {"name": ...}}
 _NAMED_FORM = '{"type": "function", "function": {"name": "my_function"}}'
 _TOOL_FORM = '{"type": "function", "function": {"name": ..., "description": ..., "parameters": {JSON schema}}}'
@@ -23,21 +25,6 @@ _EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # a function without p
 # tool_choice "required" writes at most this many calls (1 with parallel_tool_calls false): a
 # small sampled model, free to go on, repeats calls until max_tokens cuts the array
 MAX_REQUIRED_CALLS = 4
-# Bounds the tool grammars add where a schema gives none, so that a sampled small model
-# cannot write one argument forever (an endless string or number, a growing list): strings
-# (without maxLength, enum, const or format) at most this many characters, lists at most
-# this many items, integers within JSON's safe range. Outputs stay valid against the schema.
-MAX_STRING_CHARS = 256
-MAX_ARRAY_ITEMS = 8
-MAX_SAFE_INTEGER = 2**53 - 1
-# String formats llguidance writes; another (OpenAPI's password, byte, binary, ...) is an
-# annotation the grammar drops, as JSON Schema reads an unknown format
-GRAMMAR_FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
-                             "uuid"})
-_VALUES = ("enum", "const", "default", "examples")  # schema keywords whose values are data, not schemas
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
-
-
 @dataclass(frozen=True)
 class Tool:
     """One function a request offers: its name, description and parameters schema."""
@@ -154,37 +141,6 @@ def tool_schema(tools: list[Tool], choice: str | Tool, parallel: bool = True) ->
     if defs:
         schema["$defs"] = defs
     return schema
-
-
-def closed(schema):
-    """The schema narrowed for a grammar, every output still valid against it:
-    additionalProperties false on each object that lists properties and leaves it unset
-    (OpenAI's strict mode: the grammar writes the listed keys only, instead of inventing
-    keys until max_tokens), and the MAX_STRING_CHARS / MAX_ARRAY_ITEMS / MAX_SAFE_INTEGER
-    bounds where the schema sets none."""
-    if isinstance(schema, list):
-        return [closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: v if k in _VALUES else {name: closed(s) for name, s in v.items()}
-           if k in _SCHEMA_MAPS and isinstance(v, dict) else closed(v) for k, v in schema.items()}
-    kind = schema.get("type")
-    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema \
-            and kind in (None, "object"):
-        out["additionalProperties"] = False
-    if kind == "string":
-        if out.get("format") not in GRAMMAR_FORMATS:
-            out.pop("format", None)
-        if not any(k in out for k in ("maxLength", "enum", "const", "format")):
-            out["maxLength"] = max(MAX_STRING_CHARS, schema.get("minLength", 0))
-    elif kind == "array" and "maxItems" not in schema:
-        out["maxItems"] = max(MAX_ARRAY_ITEMS, schema.get("minItems", 0))
-    elif kind == "integer":
-        if "maximum" not in schema and "exclusiveMaximum" not in schema:
-            out["maximum"] = MAX_SAFE_INTEGER
-        if "minimum" not in schema and "exclusiveMinimum" not in schema:
-            out["minimum"] = -MAX_SAFE_INTEGER
-    return out
 
 
 def required_calls(text: str) -> list[dict] | None:

@@ -264,3 +264,33 @@ def test_json_is_compact_unless_whitespace_is_asked_for(llm):
     assert allowed_after_brace(disable_any_whitespace=True) == {newline[0]: False, space[0]: False}
     assert allowed_after_brace(disable_any_whitespace=False) == {newline[0]: True, space[0]: True}
     assert allowed_after_brace(whitespace_pattern=r"[ ]{0,2}") == {newline[0]: False, space[0]: True}
+
+
+def test_json_schemas_get_bounds_where_they_set_none(llm):
+    """A string without maxLength ends by MAX_STRING_CHARS, an object that lists its properties
+    takes no others, an integer stays in JSON's safe range: a sampled model cannot write one
+    value until max_tokens, and every output is still valid against the request's schema."""
+    from nanokv.grammar import MAX_STRING_CHARS, GrammarCompiler
+
+    engine = llm.llm_engine
+    compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size, engine.config.eos_token_ids)
+    tok = engine.tokenizer
+    schema = {"type": "object", "properties": {"s": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["s", "n"]}
+    prompt = [1, 2, 3]
+
+    def allowed(text, spec_schema=schema) -> list[str]:
+        """The texts of the tokens the grammar allows after text."""
+        c = compiler.constraint(compiler.compile(StructuredOutputsParams(json=spec_schema)), None)
+        row = c.row(prompt + tok.encode(text, add_special_tokens=False), len(prompt))
+        assert not c.matcher.is_error(), text
+        return [tok.decode([t]) for t in range(engine.vocab_size) if row[t >> 5] >> (t & 31) & 1]
+
+    full = allowed('{"s":"' + "a" * MAX_STRING_CHARS)
+    assert full and all(t.startswith('"') for t in full)  # the string must end
+    assert "a" in allowed('{"s":"' + "a" * (MAX_STRING_CHARS - 1))
+    long_ok = dict(schema, properties={"s": {"type": "string", "maxLength": 1000}, "n": {"type": "integer"}})
+    assert "a" in allowed('{"s":"' + "a" * MAX_STRING_CHARS, long_ok)  # the schema's own bound wins
+    assert not any(t[:1].isdigit() for t in allowed('{"s":"x","n":9007199254740991'))  # 2**53 - 1: no digit more
+    after = allowed('{"s":"x","n":1')
+    assert "}" in after and not any(t.startswith(",") for t in after)  # no third key
