@@ -44,7 +44,7 @@ def _example(schema: dict, i: int) -> str:
             out[name] = [f"tag{j}" for j in range(i % 4)]
         else:
             out[name] = values[kind["type"]]
-    return json.dumps(out)
+    return json.dumps(out, separators=(",", ":"))  # compact, as the grammar writes JSON by default
 
 
 def compile_times(model_dir: str, num_fields: int = 20) -> dict:
@@ -223,6 +223,8 @@ def micro_structured(model_dir: str, device: torch.device, num_rows: int = 256, 
                 results[f"{mode}_{name}_ms"] = round(1000 * min(times[1:]), 2)
     finally:
         torch.set_num_threads(threads)
+    # every row walked a record the grammar writes (else its matcher erred and gave EOS-only rows)
+    assert not any(s.constraint.matcher.is_error() for s in rows), "a record the grammar does not write"
     allowed = sum(bin(w & 0xFFFFFFFF).count("1") for w in masks.flatten().tolist()) / num_rows
     return dict(section="structured outputs' mask per step", rows=num_rows, vocab=vocab, threads=1,
                 schema_fields=10, mean_allowed_tokens=round(allowed, 1), build_ms=round(1000 * min(build[1:]), 2),
