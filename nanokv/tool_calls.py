@@ -16,7 +16,7 @@ import json
 import secrets
 from dataclasses import dataclass
 
-from nanokv.grammar import GRAMMAR_FORMATS, MAX_ARRAY_ITEMS, MAX_SAFE_INTEGER, MAX_STRING_CHARS, closed  # noqa: F401
+from nanokv.grammar import closed
 
 TOOL_CHOICES = ("none", "auto", "required")  # besides {"type": "function", "function": {"name": ...}}
 _NAMED_FORM = '{"type": "function", "function": {"name": "my_function"}}'

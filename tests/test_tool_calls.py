@@ -8,9 +8,10 @@ import json
 
 import pytest
 
+from nanokv.grammar import MAX_ARRAY_ITEMS, MAX_SAFE_INTEGER, MAX_STRING_CHARS, closed
 from nanokv.tool_calls import (
-    MAX_ARRAY_ITEMS, MAX_REQUIRED_CALLS, MAX_SAFE_INTEGER, MAX_STRING_CHARS, Tool, check_schemas, closed, ToolStream, get_parser, parse_tool_choice, parse_tools, read_answer, tool_schema,
-    tools_system_prompt, with_tools)
+    MAX_REQUIRED_CALLS, Tool, ToolStream, check_schemas, get_parser, parse_tool_choice, parse_tools, read_answer,
+    tool_schema, tools_system_prompt, with_tools)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

@@ -30,6 +30,16 @@ def server_env() -> dict:
     return env
 
 
+def serve(model: str, *args: str, log_path: str, **kwargs):
+    """For a fixture: `yield from serve(...)` yields a started Server and stops it when the
+    fixture ends (also when its start fails)."""
+    server = Server(model, *args, log_path=log_path, **kwargs)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
 class Server:
     """`python -m nanokv serve MODEL ARGS --port P`; stop() in a finally."""
 

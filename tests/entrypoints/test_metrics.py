@@ -14,7 +14,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from .conftest import Server, metrics, wait_idle  # noqa: E402
+from .conftest import metrics, serve, wait_idle  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -81,12 +81,8 @@ GATEWAY = ["vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_ca
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    s = Server(model_dir, "--served-model-name", MODEL, "--max-model-len", str(MAX_LEN), "--block-size", str(BLOCK),
+    yield from serve(model_dir, "--served-model-name", MODEL, "--max-model-len", str(MAX_LEN), "--block-size", str(BLOCK),
                "--enable-prompt-tokens-details", log_path=str(tmp_path_factory.mktemp("server") / "log"))
-    try:
-        yield s.start()
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

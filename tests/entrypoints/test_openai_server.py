@@ -21,7 +21,7 @@ pytest.importorskip("fastapi")
 
 from nanokv import LLM, SamplingParams  # noqa: E402
 
-from .conftest import API_KEY, Server, metrics, server_env, wait_idle  # noqa: E402
+from .conftest import API_KEY, metrics, serve, server_env, wait_idle  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -35,12 +35,8 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    s = Server(model_dir, "--served-model-name", MODEL, "tiny-alias", "--api-key", API_KEY,
+    yield from serve(model_dir, "--served-model-name", MODEL, "tiny-alias", "--api-key", API_KEY,
                "--max-model-len", str(MAX_LEN), log_path=str(tmp_path_factory.mktemp("server") / "log"))
-    try:
-        yield s.start()
-    finally:
-        s.stop()
 
 
 # The abort tests need a request that cannot finish before its client goes away: on the tiny
@@ -53,13 +49,9 @@ LONG_LEN = 16384
 
 @pytest.fixture(scope="module")
 def long_server(checkpoint, tmp_path_factory):
-    s = Server(checkpoint("qwen3-tiny", max_position_embeddings=LONG_LEN), "--served-model-name", MODEL,
+    yield from serve(checkpoint("qwen3-tiny", max_position_embeddings=LONG_LEN), "--served-model-name", MODEL,
                "--api-key", API_KEY, "--max-model-len", str(LONG_LEN), "--kv-cache-memory-bytes", str(128 << 20),
                log_path=str(tmp_path_factory.mktemp("long-server") / "log"))
-    try:
-        yield s.start()
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch
 
 from nanokv import LLM, SamplingParams
 
-from .conftest import API_KEY, Server
+from .conftest import API_KEY, serve
 
 MODEL = "tiny"
 TEXT = "Beautiful is better than ugly. Explicit is better than implicit."
@@ -21,12 +21,8 @@ TEXT = "Beautiful is better than ugly. Explicit is better than implicit."
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     # 16 tokens a step: the prompts are scored over several prefill chunks
-    s = Server(model_dir, "--served-model-name", MODEL, "--api-key", API_KEY, "--max-model-len", "256",
+    yield from serve(model_dir, "--served-model-name", MODEL, "--api-key", API_KEY, "--max-model-len", "256",
                "--max-num-batched-tokens", "16", log_path=str(tmp_path_factory.mktemp("server") / "log"))
-    try:
-        yield s.start()
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

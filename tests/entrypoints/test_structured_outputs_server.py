@@ -16,7 +16,7 @@ pytest.importorskip("fastapi")
 from nanokv import LLM, SamplingParams  # noqa: E402
 from nanokv.sampling_params import StructuredOutputsParams  # noqa: E402
 
-from .conftest import API_KEY, Server  # noqa: E402
+from .conftest import API_KEY, serve  # noqa: E402
 
 
 pytestmark = pytest.mark.slow
@@ -35,12 +35,8 @@ USER = [{"role": "user", "content": "Describe a person as JSON."}]
 
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory):
-    s = Server("smollm2", "--api-key", API_KEY, "--max-model-len", str(MAX_LEN),
+    yield from serve("smollm2", "--api-key", API_KEY, "--max-model-len", str(MAX_LEN),
                "--kv-cache-memory-bytes", str(64 << 20), log_path=str(tmp_path_factory.mktemp("server") / "log"))
-    try:
-        yield s.start()
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from .conftest import API_KEY, Server  # noqa: E402
+from .conftest import API_KEY, serve  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -78,13 +78,9 @@ def check_call(call, allowed: set[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory):
-    s = Server("smollm2", "--api-key", API_KEY, "--max-model-len", str(MAX_LEN), "--kv-cache-memory-bytes",
+    yield from serve("smollm2", "--api-key", API_KEY, "--max-model-len", str(MAX_LEN), "--kv-cache-memory-bytes",
                str(64 << 20), "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                "--trust-request-chat-template", log_path=str(tmp_path_factory.mktemp("server") / "log"))
-    try:
-        yield s.start()
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +202,7 @@ def test_a_tool_result_round_trip_renders_and_answers(client, server):
     prompt = httpx.post(f"{server.url}/tokenize", json=body, headers=headers).json()
     text = httpx.post(f"{server.url}/detokenize", json={"tokens": prompt["tokens"]}, headers=headers).json()["prompt"]
     assert "<tools>\n" + json.dumps(WEATHER) + "\n</tools>" in text and text.count("<|im_start|>system") == 1
-    assert f'<|im_start|>assistant\n<tool_call>\n{{"name": "get_weather", "arguments": ' in text
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": ' in text
     assert '<|im_start|>tool\n{"temperature": 21}<|im_end|>' in text
     # a template that reads tools gets them as tools=, and the arguments as a dict
     body["chat_template"] = TOOLS_TEMPLATE

@@ -24,7 +24,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from .conftest import Server, wait_idle  # noqa: E402
+from .conftest import serve, wait_idle  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -64,12 +64,8 @@ def bad(field: str) -> tuple[type, str]:
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    s = Server(model_dir, "--served-model-name", MODEL, "--max-model-len", str(MAX_LEN), "--api-key", KEY,
+    yield from serve(model_dir, "--served-model-name", MODEL, "--max-model-len", str(MAX_LEN), "--api-key", KEY,
                "--enable-prompt-tokens-details", log_path=str(tmp_path_factory.mktemp("server") / "log"))
-    try:
-        yield s.start()
-    finally:
-        s.stop()
 
 
 class Ctx:
