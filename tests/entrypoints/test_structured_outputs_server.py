@@ -16,20 +16,14 @@ pytest.importorskip("fastapi")
 from nanokv import LLM, SamplingParams  # noqa: E402
 from nanokv.sampling_params import StructuredOutputsParams  # noqa: E402
 
+from ..test_structured_outputs import PERSON  # noqa: E402
 from .conftest import API_KEY, serve  # noqa: E402
 
 
 pytestmark = pytest.mark.slow
 
 MAX_LEN = 1024
-SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0,
-                                                                         "maximum": 150},
-                   "color": {"enum": ["red", "green", "blue"]}},
-    "required": ["name", "age", "color"],
-    "additionalProperties": False,
-}
+SCHEMA = PERSON  # the offline tests' schema: the server must answer as LLM.chat does
 USER = [{"role": "user", "content": "Describe a person as JSON."}]
 
 
