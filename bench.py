@@ -20,6 +20,7 @@ import sys
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import nanokv  # noqa: F401  before torch: OpenMP's wait setting (nanokv/cpu_threads.py)
     from benchmarks.cli import main  # the benchmarks, by subject: benchmarks/
 
     sys.exit(main(sys.argv[1:], description=__doc__))

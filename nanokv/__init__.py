@@ -6,6 +6,10 @@ support (LoRA, pooling, beam search) raises an error that says so."""
 
 import importlib
 
+from nanokv.cpu_threads import prepare_runtime
+
+prepare_runtime()  # before anything imports torch: OpenMP reads its wait setting once, when loaded
+
 from nanokv.inputs import PromptType, TextPrompt, TokensPrompt
 from nanokv.outputs import CompletionOutput, RequestOutput
 from nanokv.sampling_params import RequestOutputKind, SamplingParams

@@ -20,7 +20,6 @@ def worker_main(config, rank: int, size: int, init_method: str, ready) -> None:
     """Entry point of a spawned worker; `ready` (a pipe) gets "ok" or the error at start-up."""
     # Ctrl-C is for rank 0: it decides when workers stop (they also stop when it dies)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(max(1, torch.get_num_threads() // size))
     try:
         device = config.device if config.device.type != "cuda" else torch.device("cuda", rank)
         tpd.init_group(rank, size, init_method, device)

@@ -43,8 +43,8 @@ _threads = threading.local()  # the OpenMP thread count last given to the kernel
 def lib():
     """The library of this process's variant (NANOKV_CPU_WIDTH, read on every call; built
     at its first call), or None: switched off or not buildable. Its parallel regions run
-    on as many threads as torch's ops (torch.get_num_threads(), which torch.set_num_threads
-    changes): the kernels' OpenMP runtime is not torch's, so it is told."""
+    on as many threads as torch's ops (torch.get_num_threads(), which NANOKV_NUM_THREADS and
+    torch.set_num_threads set: nanokv/cpu_threads.py), told to OpenMP per calling thread."""
     if build.switched_off():
         return None
     library = load(build.width())

@@ -13,6 +13,7 @@ import torch
 
 from nanokv.attention import get_backend
 from nanokv.config import EngineConfig
+from nanokv.cpu_threads import configure as configure_threads
 from nanokv.distributed import TP
 from nanokv.engine.types import ScheduledBatch, ScheduledSeq, StepOutput, TokenLogprobs
 from nanokv.grammar import GrammarConstraint, fill_masks
@@ -47,6 +48,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TP = TP()):
         self.config = config
         self.tp = tp
+        # NANOKV_NUM_THREADS (a bad value is refused here, before loading); a TP worker takes its share of the cores
+        configure_threads(share=tp.size if tp.rank > 0 else 1)
         self.device = config.device
         if tp.rank > 0 and config.device.type == "cuda":
             self.device = torch.device("cuda", tp.rank)

@@ -1,0 +1,75 @@
+"""The CPU's threads: how many (NANOKV_NUM_THREADS) and how they wait between parallel regions.
+
+torch's ops and the C kernels run their parallel regions on OpenMP (GNU libgomp; the
+kernels load the libgomp torch loaded, so one pool of threads serves both). By default a
+libgomp thread that finishes a region busy-waits for the next one for GOMP_SPINCOUNT
+rounds (300,000, several milliseconds), between every kernel call and through the
+Python work of each step: on a machine whose cores are shared with other processes
+those spinning threads take the cores from the thread that has work, and CPU time per
+token grew 3-50x. So `import nanokv` sets GOMP_SPINCOUNT to SPIN_COUNT (a waiting thread
+sleeps at once) unless the user set it or OMP_WAIT_POLICY: libgomp reads them once, when
+it is loaded (by `import torch`), so this must happen before torch is imported; an
+engine started after torch was imported first says so once (see configure).
+
+This module imports no torch: `import nanokv` stays light.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+logger = logging.getLogger("nanokv")
+
+NUM_THREADS_ENV = "NANOKV_NUM_THREADS"  # threads of torch's ops and the C kernels; unset: one per core
+SPIN_COUNT = 0  # GOMP_SPINCOUNT nanokv sets: rounds a thread with no work spins before it sleeps
+WAIT_ENV = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")  # the user's own wait setting, left as it is
+
+_runtime_started_first = False  # torch (its OpenMP runtime) was imported before nanokv set the wait
+_warned = False
+
+
+def prepare_runtime() -> None:
+    """Called by `import nanokv` before anything imports torch: the wait setting for
+    OpenMP (see the module's doc). A user's GOMP_SPINCOUNT or OMP_WAIT_POLICY wins."""
+    global _runtime_started_first
+    if any(name in os.environ for name in WAIT_ENV):
+        return
+    os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+    _runtime_started_first = "torch" in sys.modules
+
+
+def num_threads() -> int | None:
+    """NANOKV_NUM_THREADS as a count (read on every call); None when unset or empty (torch's
+    default: one thread per core it may run on)."""
+    value = os.environ.get(NUM_THREADS_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{NUM_THREADS_ENV}={value!r}: give a whole number of threads, at least 1 "
+                         f"(such as {NUM_THREADS_ENV}=2), or unset it for one per core")
+    return n
+
+
+def configure(share: int = 1) -> int:
+    """Apply NANOKV_NUM_THREADS to torch (the C kernels follow torch's count: kernels/ffi.py)
+    and return the count; `share` processes (tensor-parallel ranks) split the cores, each
+    taking its part. ValueError for a bad NANOKV_NUM_THREADS."""
+    import torch
+
+    global _warned
+    n = num_threads() or torch.get_num_threads()
+    n = max(1, n // share) if share > 1 else n
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    if _runtime_started_first and n > 1 and not _warned:  # one thread: no pool to spin
+        _warned = True
+        logger.warning("torch was imported before nanokv, so its OpenMP threads busy-wait between parallel regions "
+                       "(libgomp's default), which slows nanokv on a machine whose cores are busy: import nanokv "
+                       "before torch, or set GOMP_SPINCOUNT=%d in the environment", SPIN_COUNT)
+    return n
