@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 
 import torch
@@ -14,6 +15,7 @@ import torch
 from nanokv.engine.arg_utils import EngineArgs
 
 from benchmarks.accuracy import print_accuracy, run_accuracy
+from benchmarks.busy import busy
 from benchmarks.engines import cpu_kv_budget_fraction, load_hf, nanokv_variants
 from benchmarks.micro import MICRO_SECTIONS, run_micro
 from benchmarks.report import print_report, print_side_by_side
@@ -109,7 +111,12 @@ def main(argv: list[str], description: str | None = None) -> int | None:
                         "llama-server's ready time when one is found (benchmarks/startup.py)")
     p.add_argument("--llama-server", help="--startup: the llama-server binary (default: LLAMA_CPP_BIN, a local "
                                           "build, or PATH)")
+    p.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="N CPU-bound processes run beside every engine's run, as on a machine whose cores other "
+                        "work shares (each stopped when the run ends, and bounded in time)")
     args = p.parse_args(argv)
+    if args.busy < 0:
+        p.error(f"--busy {args.busy}: give 0 or more processes")
     unknown = [n for n in args.micro_sections.split(",") if n and n not in MICRO_SECTIONS]
     if unknown:
         p.error(f"unknown --micro-sections {unknown}; choose from {', '.join(MICRO_SECTIONS)}")
@@ -134,7 +141,10 @@ def main(argv: list[str], description: str | None = None) -> int | None:
     device = torch.device("cuda" if cuda else "cpu")
     if args.hf_cb_memory is None and not cuda:
         args.hf_cb_memory = cpu_kv_budget_fraction()
-    with tempfile.TemporaryDirectory(prefix="nanokv-bench-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="nanokv-bench-") as scratch, busy(args.busy) as hogs:
+        if hogs:
+            print(f"bench.py: {len(hogs)} CPU-bound processes running beside every engine (--busy {args.busy}, "
+                  f"pids {' '.join(map(str, hogs))})", file=sys.stderr, flush=True)
         try:
             model_dir, args.label = resolve_model(args, scratch)
         except ValueError as e:  # a model that does not resolve: say how to get it
@@ -169,10 +179,11 @@ def main(argv: list[str], description: str | None = None) -> int | None:
         for w, spec in zip(names, specs):
             if spec.get("structured"):
                 reports.append(run_structured(w, model_dir, args.label, spec, device, args))
-                continue
-            reports.append(run_workload(w, spec, model_dir, hf_model, tokenizer, dims, device, args, engines,
-                                        sizes, rate))
-            loaded.clear()  # reloaded for the next workload: nanokv's peak memory stays its own
+            else:
+                reports.append(run_workload(w, spec, model_dir, hf_model, tokenizer, dims, device, args, engines,
+                                            sizes, rate))
+                loaded.clear()  # reloaded for the next workload: nanokv's peak memory stays its own
+            reports[-1]["busy"] = args.busy  # CPU-bound processes beside every engine
 
     if args.json:
         print(json.dumps(reports[0] if len(reports) == 1 else dict(workloads=reports), indent=2, default=str))
@@ -181,6 +192,8 @@ def main(argv: list[str], description: str | None = None) -> int | None:
         if i:
             print()
         (print_structured if report.get("structured") else print_report)(report)
+    if args.busy:
+        print(f"\n{args.busy} CPU-bound processes ran beside every engine (--busy {args.busy})")
     others = [r for r in reports if not r.get("structured")]
     if len(others) > 1:
         print_side_by_side(others)
