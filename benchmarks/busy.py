@@ -33,7 +33,8 @@ def busy(n: int, limit_s: float = BUSY_LIMIT_S):
     hogs: list[subprocess.Popen] = []
     try:
         for _ in range(n):
-            hogs.append(subprocess.Popen([sys.executable, "-c", HOG, str(limit_s), str(os.getpid())], stdin=subprocess.DEVNULL))
+            hogs.append(subprocess.Popen([sys.executable, "-c", HOG, str(limit_s), str(os.getpid())],
+                                         stdin=subprocess.DEVNULL))
         yield [p.pid for p in hogs]
     finally:
         for p in hogs:
