@@ -17,8 +17,9 @@ block table, fused norm/rotary/activation passes, and a whole decoder layer per 
     fused_layers.py  a model's decoder layers as one C call each (built by the model when
                      the kernel switch, layers/custom_op.py, fuses them)
 
-The library links the libgomp torch already loaded, so both share one OpenMP thread
-pool. Without a compiler, or with NANOKV_CPU_KERNELS=0, `available()` is False and
+Parallel regions run on the kernels' own threads (csrc/pool.c: a region never waits for a
+thread the machine has not scheduled, and idle threads spin briefly, then sleep); torch's
+ops keep OpenMP's. Without a compiler, or with NANOKV_CPU_KERNELS=0, `available()` is False and
 callers use their torch path. Nothing here compiles at import: `available()` (or the
 first kernel call) does, once.
 """

@@ -2,7 +2,7 @@
 
 The kernels' sources are the files of csrc/ (one .c file per topic behind small shared
 headers; csrc/common.h lists them), compiled together by the machine's C compiler (`cc -O3
--march=native -fopenmp`) into one shared library, in a cache directory keyed by every
+-march=native -pthread`) into one shared library, in a cache directory keyed by every
 source and header file's bytes, the flags, the compiler and the CPU, the way Triton caches
 its kernels. An entry is trusted only when its bytes match the manifest written beside it
 at build time (its name, size and sha256); anything else is built again (see build()), and
@@ -46,7 +46,7 @@ def sources() -> list[Path]:
     return sorted(p for p in CSRC.iterdir() if p.suffix in (".c", ".h"))
 
 
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+FLAGS = ["-O3", "-march=native", "-pthread", "-fPIC", "-shared", "-std=gnu11"]
 
 
 WIDTHS = (8, 16)

@@ -37,14 +37,15 @@ class NkStep(ctypes.Structure):
         ("keep_n", _L), ("keep", _P)]
 
 
-_threads = threading.local()  # the OpenMP thread count last given to the kernels from this thread
+_threads = threading.local()  # the thread count last given to the kernels from this thread
 
 
 def lib():
     """The library of this process's variant (NANOKV_CPU_WIDTH, read on every call; built
     at its first call), or None: switched off or not buildable. Its parallel regions run
     on as many threads as torch's ops (torch.get_num_threads(), which NANOKV_NUM_THREADS and
-    torch.set_num_threads set: nanokv/cpu_threads.py), told to OpenMP per calling thread."""
+    torch.set_num_threads set: nanokv/cpu_threads.py), told to the kernels' pool (csrc/pool.c)
+    per calling thread."""
     if build.switched_off():
         return None
     library = load(build.width())
@@ -84,6 +85,10 @@ def load(width: int | None = None, portable: bool | str = False):
     lib.nk_set_threads.restype = None
     lib.nk_threads.argtypes = []
     lib.nk_threads.restype = n
+    lib.nk_pool_workers.argtypes = []
+    lib.nk_pool_workers.restype = n
+    lib.nk_pool_test.argtypes = [i, i, i, p, p, i, n]
+    lib.nk_pool_test.restype = None
     lib.nk_int8_isa.argtypes = []
     lib.nk_int8_isa.restype = ctypes.c_char_p
     lib.nk_decoder_layer.argtypes = [ctypes.POINTER(NkLayer), ctypes.POINTER(NkStep), p, p, ctypes.c_int,

@@ -627,58 +627,36 @@ static void attend_one_q8(const float *qt, const void *kc, const void *vc, const
     weighted_values_g(s, G, D, h0, h1, vc, vs, table, L, bs, row_stride, ot, wide, inv, 1);
 }
 
-/* Paged attention, one query token per row: query t (q [T, Hq, D]) belongs to the
- * sequence in row rows[t] of tables [B, width] and sees that sequence's first ctx[t]
- * cached tokens (a decode: the whole context; a prefill token at position p: p + 1, which
- * is causal masking). Caches [num_blocks, bs, Hkv, D], float32, or int8 with their float16
- * (scale, zero) pairs ks, vs [num_blocks, bs, Hkv, 2] (NULL for float32); out [T, Hq, D]. Keys and values
- * are read in place. Runs of consecutive prompt tokens of one sequence form tiles that
- * share their key/value reads (attend_tile); other queries (decodes) go one by one, all
- * heads at once. D must be a multiple of 8 (and at most 512), Hq a multiple of Hkv. */
-void nk_paged_attention(const float *q, const void *kc, const void *vc, const nk_half *ks, const nk_half *vs,
-                        const int32_t *tables, long width, const int32_t *rows, const int32_t *ctx, long T, long Hq,
-                        long Hkv, long D, long bs, float scale, long max_len, float *out) {
-    long G = Hq / Hkv, row_stride = Hkv * D;
-    long tile_queries = TILE_ROWS / G > 0 ? TILE_ROWS / G : 1;
-    /* work items: (first query, queries, first KV head, end KV head) */
-    long *items = malloc(sizeof(long) * 4 * (T * Hkv + 1));
-    long num_items = 0, singles = 0;
-    for (long t = 0; t < T;) {
-        long n = 1;
-        while (n < tile_queries && t + n < T && rows[t + n] == rows[t] && ctx[t + n] == ctx[t] + n) n++;
-        if (n >= 4 && G <= TILE_ROWS) {
-            for (long h = 0; h < Hkv; h++) {
-                long *it = items + 4 * num_items++;
-                it[0] = t, it[1] = n, it[2] = h, it[3] = h + 1;
-            }
-        } else {
-            for (long i = 0; i < n; i++) {
-                long *it = items + 4 * num_items++;
-                it[0] = t + i, it[1] = 1, it[2] = 0, it[3] = Hkv;
-                singles++;
-            }
-        }
-        t += n;
-    }
-    if (num_items < 4 * omp_get_max_threads() && singles == num_items && Hkv > 1) {
-        /* a few long decodes: one item per (query, KV head) keeps every thread busy */
-        num_items = 0;
-        for (long t = 0; t < T; t++)
-            for (long h = 0; h < Hkv; h++) {
-                long *it = items + 4 * num_items++;
-                it[0] = t, it[1] = 1, it[2] = h, it[3] = h + 1;
-            }
-    }
-#pragma omp parallel
-    {
-        long rows_max = Hq > TILE_ROWS ? Hq : TILE_ROWS;
-        float *s = malloc(sizeof(float) * rows_max * (max_len > 0 ? max_len : 1));
-        float *qt = malloc(sizeof(float) * TILE_ROWS * D);
-        float *wide = ks ? malloc(sizeof(float) * bs * (row_stride + 2 * Hkv)) : 0; /* an int8 page widened, its pairs */
-        /* longest first: the runner orders sequences shortest first, and a long item
-         * left for last keeps the other threads waiting at the barrier */
-#pragma omp for schedule(dynamic, 1)
-        for (long j = 0; j < num_items; j++) {
+struct attention_call {
+    const float *q;
+    const void *kc, *vc;
+    const nk_half *ks, *vs;
+    const int32_t *tables, *rows, *ctx;
+    long width, Hq, Hkv, D, bs, max_len;
+    float scale;
+    float *out;
+    const long *items;
+    long num_items;
+};
+
+static void attention_task(void *arg, struct nk_team *team) {
+    const struct attention_call *a = arg;
+    const float *q = a->q;
+    const void *kc = a->kc, *vc = a->vc;
+    const nk_half *ks = a->ks, *vs = a->vs;
+    const int32_t *tables = a->tables, *rows = a->rows, *ctx = a->ctx;
+    long width = a->width, Hq = a->Hq, Hkv = a->Hkv, D = a->D, bs = a->bs, max_len = a->max_len;
+    long G = Hq / Hkv, row_stride = Hkv * D, num_items = a->num_items;
+    const long *items = a->items;
+    float scale = a->scale, *out = a->out;
+    long rows_max = Hq > TILE_ROWS ? Hq : TILE_ROWS;
+    float *s = malloc(sizeof(float) * rows_max * (max_len > 0 ? max_len : 1));
+    float *qt = malloc(sizeof(float) * TILE_ROWS * D);
+    float *wide = ks ? malloc(sizeof(float) * bs * (row_stride + 2 * Hkv)) : 0; /* an int8 page widened, its pairs */
+    /* longest first: the runner orders sequences shortest first, and a long item
+     * left for last keeps the other threads waiting for it */
+    for (long j0, j1; nk_next(team, &j0, &j1);)
+        for (long j = j0; j < j1; j++) {
             long k = num_items - 1 - j;
             long t = items[4 * k], n = items[4 * k + 1], h0 = items[4 * k + 2], h1 = items[4 * k + 3];
             long L = ctx[t];
@@ -700,9 +678,55 @@ void nk_paged_attention(const float *q, const void *kc, const void *vc, const nk
             else
                 attend_one_f32(q + t * Hq * D, kc, vc, table, L, G, D, h0, h1, bs, row_stride, scale, s, ot);
         }
-        free(s);
-        free(qt);
-        free(wide);
+    free(s);
+    free(qt);
+    free(wide);
+}
+
+/* Paged attention, one query token per row: query t (q [T, Hq, D]) belongs to the
+ * sequence in row rows[t] of tables [B, width] and sees that sequence's first ctx[t]
+ * cached tokens (a decode: the whole context; a prefill token at position p: p + 1, which
+ * is causal masking). Caches [num_blocks, bs, Hkv, D], float32, or int8 with their float16
+ * (scale, zero) pairs ks, vs [num_blocks, bs, Hkv, 2] (NULL for float32); out [T, Hq, D]. Keys and values
+ * are read in place. Runs of consecutive prompt tokens of one sequence form tiles that
+ * share their key/value reads (attend_tile); other queries (decodes) go one by one, all
+ * heads at once. D must be a multiple of 8 (and at most 512), Hq a multiple of Hkv. */
+void nk_paged_attention(const float *q, const void *kc, const void *vc, const nk_half *ks, const nk_half *vs,
+                        const int32_t *tables, long width, const int32_t *rows, const int32_t *ctx, long T, long Hq,
+                        long Hkv, long D, long bs, float scale, long max_len, float *out) {
+    long G = Hq / Hkv;
+    long tile_queries = TILE_ROWS / G > 0 ? TILE_ROWS / G : 1;
+    /* work items: (first query, queries, first KV head, end KV head) */
+    long *items = malloc(sizeof(long) * 4 * (T * Hkv + 1));
+    long num_items = 0, singles = 0;
+    for (long t = 0; t < T;) {
+        long n = 1;
+        while (n < tile_queries && t + n < T && rows[t + n] == rows[t] && ctx[t + n] == ctx[t] + n) n++;
+        if (n >= 4 && G <= TILE_ROWS) {
+            for (long h = 0; h < Hkv; h++) {
+                long *it = items + 4 * num_items++;
+                it[0] = t, it[1] = n, it[2] = h, it[3] = h + 1;
+            }
+        } else {
+            for (long i = 0; i < n; i++) {
+                long *it = items + 4 * num_items++;
+                it[0] = t + i, it[1] = 1, it[2] = 0, it[3] = Hkv;
+                singles++;
+            }
+        }
+        t += n;
     }
+    if (num_items < 4 * nk_threads() && singles == num_items && Hkv > 1) {
+        /* a few long decodes: one item per (query, KV head) keeps every thread busy */
+        num_items = 0;
+        for (long t = 0; t < T; t++)
+            for (long h = 0; h < Hkv; h++) {
+                long *it = items + 4 * num_items++;
+                it[0] = t, it[1] = 1, it[2] = h, it[3] = h + 1;
+            }
+    }
+    struct attention_call c = {q, kc, vc, ks, vs, tables, rows, ctx, width, Hq, Hkv, D, bs, max_len, scale, out,
+                               items, num_items};
+    nk_parallel(num_items, 1, 1, attention_task, &c);
     free(items);
 }

@@ -6,8 +6,8 @@
  *
  * Built at first use by nanokv/kernels/build.py with the machine's C compiler
  * (-O3 -march=native -fopenmp), every .c file of this folder into one shared library,
- * and called through ctypes (ffi.py) on tensors' data pointers. OpenMP resolves to the
- * libgomp torch already loaded, so both share one thread pool.
+ * and called through ctypes (ffi.py) on tensors' data pointers. Parallel regions run on the
+ * kernels' own threads (pool.c), not on OpenMP: torch's ops keep libgomp's.
  *
  *   simd.h        vector width, vector types, loads/stores, sums, exp: the ISA mappings
  *   common.h      this header: the library's entry points and the structs ffi.py mirrors
@@ -19,7 +19,8 @@
  *   kv_store.c    new K/V into their cache slots (float32, or int8 quantized)
  *   layer.c       one decoder layer in one call
  *   sampler.c     top candidates, the full-vocabulary draw, argmax, logprobs
- *   runtime.c     the build's vector width and the OpenMP thread count
+ *   runtime.c     the build's vector width
+ *   pool.c        the kernels' threads: nk_parallel, nk_next, the thread count
  *
  * A GEMM output element is summed in a fixed order (sequential over K), whatever the
  * batch size, the row's position in the batch, the thread count or the vector width (its
@@ -40,6 +41,20 @@ typedef _Float16 nk_half; /* the (scale, zero) pairs of an int8 KV cache */
 
 /* functions one file defines for another: in the library, not exported from it */
 #define NK_INTERNAL __attribute__((visibility("hidden")))
+
+/* ---- pool.c: parallel regions ----
+ * nk_parallel(n, chunk, parallel, fn, ctx) runs fn(ctx, team) on the calling thread and on
+ * the pool's workers that join; each takes chunks of items with
+ *     for (long b, e; nk_next(team, &b, &e);) for (long i = b; i < e; i++) ...
+ * and may set up per-thread scratch before its first nk_next (nk_team_id: 0 the caller,
+ * 1.. a worker). parallel == 0 (too little work to share): the caller alone. Once nk_next
+ * returns 0 the task must not touch ctx (the region may have ended). */
+struct nk_team;
+typedef void (*nk_task)(void *ctx, struct nk_team *team);
+NK_INTERNAL void nk_parallel(long n, long chunk, int parallel, nk_task fn, void *ctx);
+NK_INTERNAL int nk_next(struct nk_team *team, long *begin, long *end);
+NK_INTERNAL int nk_team_id(const struct nk_team *team);
+NK_INTERNAL long nk_chunk(long n); /* items per chunk: a few chunks per thread, for balance */
 
 /* ---- the entry points (ffi.py gives ctypes their signatures) ---- */
 
@@ -77,10 +92,12 @@ void nk_logprobs(const float *logits, long V, const int64_t *rows, long n, const
                  float *lse, int64_t *above, float *vals, int64_t *ids, const uint32_t *mask, long W,
                  const int64_t *midx);
 
-/* runtime.c */
+/* runtime.c, pool.c */
 int nk_width(void);
-void nk_set_threads(int n);
+void nk_set_threads(int n); /* the calling thread's later regions' thread count (itself included) */
 int nk_threads(void);
+int nk_pool_workers(void);  /* workers started so far */
+void nk_pool_test(long n, long chunk, long regions, int32_t *runs, int32_t *tids, long inner, int hold);
 
 /* layer.c: one whole decoder layer (Llama family, one rank); its two structs are ffi.py's
  * NkLayer and NkStep, field for field */

@@ -150,30 +150,48 @@ void nk_linear_silu_mul(const float *x, long M, long K, const void *w, int fmt, 
 /* out[t] = row ids[t] of W [N, K] as the GEMM multiplies by it (bfloat16 widened, int8 times
  * its row's scale), read from the packed panels: a tied embedding looks its rows up in the
  * LM head's packed copy instead of keeping a second one. */
-void nk_embed(const int64_t *ids, long T, const void *w, int fmt, long K, float *out) {
-    long panel_bytes = nk_panel_bytes(fmt, K), nb = nk_q8_padded_k(K) / QB;
-#pragma omp parallel for schedule(static) if (T * K >= 65536)
-    for (long t = 0; t < T; t++) {
-        long p = ids[t] / NR, j = ids[t] % NR;
-        const char *panel = (const char *)w + p * panel_bytes;
-        float *o = out + t * K;
-        if (fmt == NK_F32) {
-            for (long k = 0; k < K; k++) o[k] = ((const float *)panel)[k * NR + j];
-        } else if (fmt == NK_BF16) {
-            long at = j < 8 ? 2 * j : 2 * (j - 8) + 1; /* load_bf16_row's column order */
-            for (long k = 0; k < K; k++) {
-                uint32_t bits = (uint32_t)((const uint16_t *)panel)[k * NR + at] << 16;
-                memcpy(o + k, &bits, 4);
-            }
-        } else if (fmt == NK_INT8W) {
-            float scale = ((const float *)(panel + K * NR))[j];
-            for (long k = 0; k < K; k++) o[k] = (float)((const int8_t *)panel)[k * NR + j] * scale;
-        } else {
-            float scale = ((const float *)(panel + nb * Q8_BLOCK_BYTES))[j];
-            for (long k = 0; k < K; k++) {
-                const int8_t *q = (const int8_t *)panel + (k / QB) * Q8_BLOCK_BYTES + (k % QB) / 4 * 64 + j * 4 + k % 4;
-                o[k] = (float)*q * scale;
+struct embed_call {
+    const int64_t *ids;
+    const void *w;
+    int fmt;
+    long K;
+    float *out;
+};
+
+static void embed_task(void *ctx, struct nk_team *team) {
+    const struct embed_call *c = ctx;
+    const int64_t *ids = c->ids;
+    const void *w = c->w;
+    int fmt = c->fmt;
+    long K = c->K, panel_bytes = nk_panel_bytes(fmt, K), nb = nk_q8_padded_k(K) / QB;
+    float *out = c->out;
+    for (long t0, t1; nk_next(team, &t0, &t1);)
+        for (long t = t0; t < t1; t++) {
+            long p = ids[t] / NR, j = ids[t] % NR;
+            const char *panel = (const char *)w + p * panel_bytes;
+            float *o = out + t * K;
+            if (fmt == NK_F32) {
+                for (long k = 0; k < K; k++) o[k] = ((const float *)panel)[k * NR + j];
+            } else if (fmt == NK_BF16) {
+                long at = j < 8 ? 2 * j : 2 * (j - 8) + 1; /* load_bf16_row's column order */
+                for (long k = 0; k < K; k++) {
+                    uint32_t bits = (uint32_t)((const uint16_t *)panel)[k * NR + at] << 16;
+                    memcpy(o + k, &bits, 4);
+                }
+            } else if (fmt == NK_INT8W) {
+                float scale = ((const float *)(panel + K * NR))[j];
+                for (long k = 0; k < K; k++) o[k] = (float)((const int8_t *)panel)[k * NR + j] * scale;
+            } else {
+                float scale = ((const float *)(panel + nb * Q8_BLOCK_BYTES))[j];
+                for (long k = 0; k < K; k++) {
+                    const int8_t *q = (const int8_t *)panel + (k / QB) * Q8_BLOCK_BYTES + (k % QB) / 4 * 64 + j * 4 + k % 4;
+                    o[k] = (float)*q * scale;
+                }
             }
         }
-    }
+}
+
+void nk_embed(const int64_t *ids, long T, const void *w, int fmt, long K, float *out) {
+    struct embed_call c = {ids, w, fmt, K, out};
+    nk_parallel(T, nk_chunk(T), T * K >= 65536, embed_task, &c);
 }

@@ -90,25 +90,40 @@ static inline __attribute__((always_inline)) void store_glu_row(const vf *a, flo
 
 /* Every packed panel against every row of x: panel p writes output columns
  * [p * cols, p * cols + cols) of out and reads bias + p * NR. Panels are split across
- * threads; the first row block of a panel streams in the next panel (weights come from
- * memory at decode batch sizes), the others find this one in cache. */
-static void run_panels(const tile_fn *fn, int mr, const struct gemm *g) {
-    long panels = (g->n + g->cols - 1) / g->cols, M = g->M;
-#pragma omp parallel
-    for (long m0 = 0; m0 < M; m0 += MC) {
-        long m1 = m0 + MC < M ? m0 + MC : M;
-#pragma omp for schedule(static) nowait
-        for (long p = 0; p < panels; p++) {
-            const char *w = g->w + p * g->panel_bytes;
-            int ncols = (int)(g->n - p * g->cols < g->cols ? g->n - p * g->cols : g->cols);
-            const float *b = g->bias ? g->bias + p * NR : 0;
-            const char *pf = p + 1 < panels ? w + g->panel_bytes : 0;
-            float *o = g->out + p * g->cols;
-            long m = m0;
-            for (; m + mr <= m1; m += mr, pf = 0) fn[mr](g, m, w, pf, o + m * g->n, ncols, b);
-            if (m < m1) fn[m1 - m](g, m, w, pf, o + m * g->n, ncols, b);
+ * threads in chunks of consecutive panels; within a chunk the first row block of a panel
+ * streams in the next panel (weights come from memory at decode batch sizes), the others
+ * find this one in cache. */
+struct panels_call {
+    const tile_fn *fn;
+    int mr;
+    const struct gemm *g;
+    long panels;
+};
+
+static void panels_task(void *ctx, struct nk_team *team) {
+    const struct panels_call *c = ctx;
+    const struct gemm *g = c->g;
+    const tile_fn *fn = c->fn;
+    long panels = c->panels, M = g->M, mr = c->mr;
+    for (long p0, p1; nk_next(team, &p0, &p1);)
+        for (long m0 = 0; m0 < M; m0 += MC) {
+            long m1 = m0 + MC < M ? m0 + MC : M;
+            for (long p = p0; p < p1; p++) {
+                const char *w = g->w + p * g->panel_bytes;
+                int ncols = (int)(g->n - p * g->cols < g->cols ? g->n - p * g->cols : g->cols);
+                const float *b = g->bias ? g->bias + p * NR : 0;
+                const char *pf = p + 1 < panels ? w + g->panel_bytes : 0;
+                float *o = g->out + p * g->cols;
+                long m = m0;
+                for (; m + mr <= m1; m += mr, pf = 0) fn[mr](g, m, w, pf, o + m * g->n, ncols, b);
+                if (m < m1) fn[m1 - m](g, m, w, pf, o + m * g->n, ncols, b);
+            }
         }
-    }
+}
+
+static void run_panels(const tile_fn *fn, int mr, const struct gemm *g) {
+    struct panels_call c = {fn, mr, g, (g->n + g->cols - 1) / g->cols};
+    nk_parallel(c.panels, nk_chunk(c.panels), 1, panels_task, &c);
 }
 
 /* gemm_int8.c: the int8 GEMM of one call (g as nk_linear fills it; Kp, qx, sx its own) */

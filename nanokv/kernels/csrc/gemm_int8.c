@@ -201,16 +201,29 @@ DEFINE_Q8_TILES(8)
 #endif
 static const tile_fn GEMM_Q8[MRQ + 1] = Q8_TILES(gemm_q8), GLU_Q8[MRQ + 1] = Q8_TILES(glu_q8);
 
+struct quantize_call {
+    const float *x;
+    long K, Kp;
+    int8_t *qx;
+    float *sx;
+};
+
+static void quantize_task(void *ctx, struct nk_team *team) {
+    const struct quantize_call *c = ctx;
+    long K = c->K, Kp = c->Kp, nb = Kp / QB;
+    for (long m0, m1; nk_next(team, &m0, &m1);)
+        for (long m = m0; m < m1; m++) quantize_row(c->x + m * K, K, Kp, c->qx + m * Kp, c->sx + m * nb);
+}
+
 /* x quantized row by row (quantize_row), then every panel against every row */
 void nk_gemm_q8(struct gemm *g, int glu) {
-    const float *x = g->x;
     long M = g->M, K = g->K;
     g->Kp = nk_q8_padded_k(K);
     long nb = g->Kp / QB;
     int8_t *qx = malloc(M * g->Kp + 1);
     float *sx = malloc(sizeof(float) * (M * nb + 1));
-#pragma omp parallel for schedule(static) if (M * K >= 32768)
-    for (long m = 0; m < M; m++) quantize_row(x + m * K, K, g->Kp, qx + m * g->Kp, sx + m * nb);
+    struct quantize_call c = {g->x, K, g->Kp, qx, sx};
+    nk_parallel(M, nk_chunk(M), M * K >= 32768, quantize_task, &c);
     g->qx = qx, g->sx = sx;
     run_panels(glu ? GLU_Q8 : GEMM_Q8, MRQ, g);
     free(qx);

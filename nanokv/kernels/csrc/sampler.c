@@ -302,22 +302,49 @@ static void top_row_given(const float *x, const uint32_t *m, long V, long k, lon
     }
 }
 
+struct top_candidates_call {
+    const float *logits;
+    long V;
+    const int64_t *rows;
+    long n;
+    long k;
+    long B;
+    float *vals;
+    int64_t *ids;
+    const uint32_t *mask;
+    long W;
+    const int64_t *midx;
+};
+
+static void top_candidates_task(void *arg, struct nk_team *team) {
+    const struct top_candidates_call *a = arg;
+    const float *logits = a->logits;
+    long V = a->V;
+    const int64_t *rows = a->rows;
+    long k = a->k;
+    long B = a->B;
+    float *vals = a->vals;
+    int64_t *ids = a->ids;
+    const uint32_t *mask = a->mask;
+    long W = a->W;
+    const int64_t *midx = a->midx;
+    int32_t *work = malloc(sizeof(int32_t) * 5 * V);
+    for (long i0, i1; nk_next(team, &i0, &i1);)
+        for (long i = i0; i < i1; i++) {
+            long r = rows ? rows[i] : i;
+            top_row(logits + r * V, row_mask(mask, W, midx, r), V, k, B, work, vals + i * k, ids + i * k);
+        }
+    free(work);
+}
+
 /* vals, ids [n, k]: the k largest logits of each row rows[i] of logits [*, V] (rows NULL:
  * row i), largest first, ties lower id first. B: the block size (0: no blocks). Token masks
  * (every entry point's last three arguments): logits row r reads through the W words
  * mask + midx[r] * W where midx[r] >= 0 (mask NULL: none). */
 void nk_top_candidates(const float *logits, long V, const int64_t *rows, long n, long k, long B, float *vals,
                        int64_t *ids, const uint32_t *mask, long W, const int64_t *midx) {
-#pragma omp parallel if (n > 1)
-    {
-        int32_t *work = malloc(sizeof(int32_t) * 5 * V);
-#pragma omp for schedule(dynamic, 4)
-        for (long i = 0; i < n; i++) {
-            long r = rows ? rows[i] : i;
-            top_row(logits + r * V, row_mask(mask, W, midx, r), V, k, B, work, vals + i * k, ids + i * k);
-        }
-        free(work);
-    }
+    struct top_candidates_call a = {logits, V, rows, n, k, B, vals, ids, mask, W, midx};
+    nk_parallel(n, 4, n > 1, top_candidates_task, &a);
 }
 
 /* 2^f for f in [-1/2, 1/2]: a degree-6 fit, relative error 2e-9 (an ulp is 6e-8); p(0) = 1 */
@@ -658,32 +685,53 @@ static inline int flat_row(float z, float u, long c, long V, float top_p, float 
     return min_p <= 0 && c < V && (top_p < 1 ? top_p * z > c : z > c) && rounded(u * z) >= c;
 }
 
-/* One token for each of the n rows rows[i] (NULL: i) of logits [*, V] with top_k off, and
- * z[i], the weight of its row: sampler.py's sample_rows for such rows, whole. Its first
- * uniform: u[i], or (u NULL or u[i] NaN: a seeded row) nk_uniform(keys[i], 0). A flat row
- * (flat_row) draws among all its tokens. Otherwise its c candidates (top_row, blocks of B)
- * weighted w = 2^((logit - max) * scale[i]); top_p and min_p (NULL: off) cut inside them,
- * or the first uniform lands in them: the token is a candidate; else the draw goes on past
- * them (draw_past, its later uniforms from keys[i]). Where B divides SB the row is read
- * once, for its block maxima and its block-relative weights (fused_row), which a draw past
- * the candidates walks; else weights_row weighs it. A row's token is a function of the row,
- * its settings and its uniforms alone. */
-void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, long c, long B, const float *scale,
-                    const float *u, const int64_t *keys, const float *top_p, const float *min_p, float *z,
-                    int64_t *tokens, const uint32_t *mask, long W, const int64_t *midx) {
+struct sample_rows_call {
+    const float *logits;
+    long V;
+    const int64_t *rows;
+    long n;
+    long c;
+    long B;
+    const float *scale;
+    const float *u;
+    const int64_t *keys;
+    const float *top_p;
+    const float *min_p;
+    float *z;
+    int64_t *tokens;
+    const uint32_t *mask;
+    long W;
+    const int64_t *midx;
+};
+
+static void sample_rows_task(void *arg, struct nk_team *team) {
+    const struct sample_rows_call *a = arg;
+    const float *logits = a->logits;
+    long V = a->V;
+    const int64_t *rows = a->rows;
+    long c = a->c;
+    long B = a->B;
+    const float *scale = a->scale;
+    const float *u = a->u;
+    const int64_t *keys = a->keys;
+    const float *top_p = a->top_p;
+    const float *min_p = a->min_p;
+    float *z = a->z;
+    int64_t *tokens = a->tokens;
+    const uint32_t *mask = a->mask;
+    long W = a->W;
+    const int64_t *midx = a->midx;
     long nbk = (V + SB - 1) / SB;
-#pragma omp parallel if (n > 1)
-    {
-        int32_t *work = malloc(sizeof(int32_t) * 5 * V);
-        float *e = malloc(sizeof(float) * (V + 4 * nbk + 3 * c)), *bs = e + V, *vals = bs + nbk, *w = vals + c,
-              *cum = w + c, *sx = cum + c, *ssum = sx + nbk, *f = ssum + nbk; /* sx, ssum, f: fused_row's */
-        int32_t *mk = malloc(sizeof(int32_t) * (B > 0 ? V / B + 1 : 1));
-        int64_t *ids = malloc(sizeof(int64_t) * c);
-        int fused = B > 0 && SB % B == 0;
-        if (!fused)
-            for (long b = 0; b < nbk; b++) f[b] = 1;
-#pragma omp for schedule(dynamic, 1)
-        for (long i = 0; i < n; i++) {
+    int32_t *work = malloc(sizeof(int32_t) * 5 * V);
+    float *e = malloc(sizeof(float) * (V + 4 * nbk + 3 * c)), *bs = e + V, *vals = bs + nbk, *w = vals + c,
+          *cum = w + c, *sx = cum + c, *ssum = sx + nbk, *f = ssum + nbk; /* sx, ssum, f: fused_row's */
+    int32_t *mk = malloc(sizeof(int32_t) * (B > 0 ? V / B + 1 : 1));
+    int64_t *ids = malloc(sizeof(int64_t) * c);
+    int fused = B > 0 && SB % B == 0;
+    if (!fused)
+        for (long b = 0; b < nbk; b++) f[b] = 1;
+    for (long i0, i1; nk_next(team, &i0, &i1);)
+        for (long i = i0; i < i1; i++) {
             long r = rows ? rows[i] : i;
             const float *x = logits + r * V;
             const uint32_t *mw = row_mask(mask, W, midx, r);
@@ -750,11 +798,90 @@ void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, lo
             while (q < c - 1 && !(cum[q] > t)) q++;
             tokens[i] = ids[q];
         }
-        free(ids);
-        free(mk);
-        free(e);
-        free(work);
-    }
+    free(ids);
+    free(mk);
+    free(e);
+    free(work);
+}
+
+/* One token for each of the n rows rows[i] (NULL: i) of logits [*, V] with top_k off, and
+ * z[i], the weight of its row: sampler.py's sample_rows for such rows, whole. Its first
+ * uniform: u[i], or (u NULL or u[i] NaN: a seeded row) nk_uniform(keys[i], 0). A flat row
+ * (flat_row) draws among all its tokens. Otherwise its c candidates (top_row, blocks of B)
+ * weighted w = 2^((logit - max) * scale[i]); top_p and min_p (NULL: off) cut inside them,
+ * or the first uniform lands in them: the token is a candidate; else the draw goes on past
+ * them (draw_past, its later uniforms from keys[i]). Where B divides SB the row is read
+ * once, for its block maxima and its block-relative weights (fused_row), which a draw past
+ * the candidates walks; else weights_row weighs it. A row's token is a function of the row,
+ * its settings and its uniforms alone. */
+void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, long c, long B, const float *scale,
+                    const float *u, const int64_t *keys, const float *top_p, const float *min_p, float *z,
+                    int64_t *tokens, const uint32_t *mask, long W, const int64_t *midx) {
+    struct sample_rows_call a = {logits, V, rows, n, c, B, scale, u, keys, top_p, min_p, z, tokens, mask, W, midx};
+    nk_parallel(n, 1, n > 1, sample_rows_task, &a);
+}
+
+struct argmax_rows_call {
+    const float *x;
+    long n;
+    long V;
+    int64_t *out;
+    const int64_t *rows;
+    const uint32_t *mask;
+    long W;
+    const int64_t *midx;
+};
+
+static void argmax_rows_task(void *arg, struct nk_team *team) {
+    const struct argmax_rows_call *a = arg;
+    const float *x = a->x;
+    long V = a->V;
+    int64_t *out = a->out;
+    const int64_t *rows = a->rows;
+    const uint32_t *mask = a->mask;
+    long W = a->W;
+    const int64_t *midx = a->midx;
+    for (long i0, i1; nk_next(team, &i0, &i1);)
+        for (long i = i0; i < i1; i++) {
+            long ri = rows ? rows[i] : i;
+            const float *r = x + ri * V;
+            const uint32_t *mw = row_mask(mask, W, midx, ri);
+            float m = -INFINITY;
+            long at = -1, j = 0; /* at: the block of SB holding m's first occurrence */
+            int nan = 0;
+            for (long b0 = 0; b0 < V && !nan; b0 += SB) {
+                long end = b0 + SB < V ? b0 + SB : V;
+                v8 a0 = (v8){} - INFINITY, a1 = a0, a2 = a0, a3 = a0;
+                v8i bad = {};
+                for (j = b0; j + 32 <= end; j += 32) {
+                    if (mw && mw[j >> 5] == 0) continue; /* 32 times -inf: changes neither */
+                    v8 v0 = mload8(r, mw, j), v1 = mload8(r, mw, j + 8), v2 = mload8(r, mw, j + 16),
+                       v3 = mload8(r, mw, j + 24);
+                    bad |= (v0 != v0) | (v1 != v1) | (v2 != v2) | (v3 != v3);
+                    a0 = max8(v0, a0), a1 = max8(v1, a1), a2 = max8(v2, a2), a3 = max8(v3, a3);
+                }
+                a0 = max8(max8(a0, a1), max8(a2, a3));
+                float bm = a0[0];
+                for (int l = 1; l < 8; l++) bm = a0[l] > bm ? a0[l] : bm;
+                for (; j < end; j++) {
+                    float rj = mat(r, mw, j);
+                    bad[0] |= -(rj != rj);
+                    bm = rj > bm ? rj : bm;
+                }
+                nan = mask_bits8(bad) != 0;
+                if (nan || bm > m || at < 0) {
+                    m = bm > m ? bm : m;
+                    at = nan || bm >= m ? b0 : at;
+                }
+            }
+            long end = at + SB < V ? at + SB : V, k = at;
+            if (nan) {
+                while (mat(r, mw, k) == mat(r, mw, k)) k++; /* the block holds a NaN */
+            } else {
+                while (k < end - 1 && !(mat(r, mw, k) == m)) k++; /* m is in the block (-0 equals +0: the first) */
+            }
+            out[i] = k;
+        }
 }
 
 /* out[i]: the index of the largest of row rows[i] (NULL: i) of x [*, V] (the first of equals;
@@ -764,61 +891,45 @@ void nk_sample_rows(const float *logits, long V, const int64_t *rows, long n, lo
  * of zeros) are not read at all. */
 void nk_argmax_rows(const float *x, long n, long V, int64_t *out, const int64_t *rows, const uint32_t *mask, long W,
                     const int64_t *midx) {
-#pragma omp parallel for schedule(static) if (n * V >= (1L << 20))
-    for (long i = 0; i < n; i++) {
-        long ri = rows ? rows[i] : i;
-        const float *r = x + ri * V;
-        const uint32_t *mw = row_mask(mask, W, midx, ri);
-        float m = -INFINITY;
-        long at = -1, j = 0; /* at: the block of SB holding m's first occurrence */
-        int nan = 0;
-        for (long b0 = 0; b0 < V && !nan; b0 += SB) {
-            long end = b0 + SB < V ? b0 + SB : V;
-            v8 a0 = (v8){} - INFINITY, a1 = a0, a2 = a0, a3 = a0;
-            v8i bad = {};
-            for (j = b0; j + 32 <= end; j += 32) {
-                if (mw && mw[j >> 5] == 0) continue; /* 32 times -inf: changes neither */
-                v8 v0 = mload8(r, mw, j), v1 = mload8(r, mw, j + 8), v2 = mload8(r, mw, j + 16),
-                   v3 = mload8(r, mw, j + 24);
-                bad |= (v0 != v0) | (v1 != v1) | (v2 != v2) | (v3 != v3);
-                a0 = max8(v0, a0), a1 = max8(v1, a1), a2 = max8(v2, a2), a3 = max8(v3, a3);
-            }
-            a0 = max8(max8(a0, a1), max8(a2, a3));
-            float bm = a0[0];
-            for (int l = 1; l < 8; l++) bm = a0[l] > bm ? a0[l] : bm;
-            for (; j < end; j++) {
-                float rj = mat(r, mw, j);
-                bad[0] |= -(rj != rj);
-                bm = rj > bm ? rj : bm;
-            }
-            nan = mask_bits8(bad) != 0;
-            if (nan || bm > m || at < 0) {
-                m = bm > m ? bm : m;
-                at = nan || bm >= m ? b0 : at;
-            }
-        }
-        long end = at + SB < V ? at + SB : V, k = at;
-        if (nan) {
-            while (mat(r, mw, k) == mat(r, mw, k)) k++; /* the block holds a NaN */
-        } else {
-            while (k < end - 1 && !(mat(r, mw, k) == m)) k++; /* m is in the block (-0 equals +0: the first) */
-        }
-        out[i] = k;
-    }
+    struct argmax_rows_call a = {x, n, V, out, rows, mask, W, midx};
+    nk_parallel(n, nk_chunk(n), n * V >= (1L << 20), argmax_rows_task, &a);
 }
 
-/* For the n rows rows[i] (NULL: i) of logits [*, V]: lse[i], the log-sum-exp (max + log of
- * the sum of 2^((logit - max) * log2(e))), above[i], how many logits exceed picked[i], and
- * (k > 0) its k largest logits and their ids (vals, ids [n, k], top_row with blocks of B),
- * found first so that the row is in cache for the sum. */
-void nk_logprobs(const float *logits, long V, const int64_t *rows, long n, const float *picked, long k, long B,
-                 float *lse, int64_t *above, float *vals, int64_t *ids, const uint32_t *mask, long W,
-                 const int64_t *midx) {
-#pragma omp parallel if (n > 1)
-    {
-        int32_t *work = k > 0 ? malloc(sizeof(int32_t) * 5 * V) : 0;
-#pragma omp for schedule(static)
-        for (long i = 0; i < n; i++) {
+struct logprobs_call {
+    const float *logits;
+    long V;
+    const int64_t *rows;
+    long n;
+    const float *picked;
+    long k;
+    long B;
+    float *lse;
+    int64_t *above;
+    float *vals;
+    int64_t *ids;
+    const uint32_t *mask;
+    long W;
+    const int64_t *midx;
+};
+
+static void logprobs_task(void *arg, struct nk_team *team) {
+    const struct logprobs_call *a = arg;
+    const float *logits = a->logits;
+    long V = a->V;
+    const int64_t *rows = a->rows;
+    const float *picked = a->picked;
+    long k = a->k;
+    long B = a->B;
+    float *lse = a->lse;
+    int64_t *above = a->above;
+    float *vals = a->vals;
+    int64_t *ids = a->ids;
+    const uint32_t *mask = a->mask;
+    long W = a->W;
+    const int64_t *midx = a->midx;
+    int32_t *work = k > 0 ? malloc(sizeof(int32_t) * 5 * V) : 0;
+    for (long i0, i1; nk_next(team, &i0, &i1);)
+        for (long i = i0; i < i1; i++) {
             long r = rows ? rows[i] : i;
             const float *x = logits + r * V;
             const uint32_t *mw = row_mask(mask, W, midx, r);
@@ -860,6 +971,16 @@ void nk_logprobs(const float *logits, long V, const int64_t *rows, long n, const
             lse[i] = m + logf((float)total);
             above[i] = count;
         }
-        free(work);
-    }
+    free(work);
+}
+
+/* For the n rows rows[i] (NULL: i) of logits [*, V]: lse[i], the log-sum-exp (max + log of
+ * the sum of 2^((logit - max) * log2(e))), above[i], how many logits exceed picked[i], and
+ * (k > 0) its k largest logits and their ids (vals, ids [n, k], top_row with blocks of B),
+ * found first so that the row is in cache for the sum. */
+void nk_logprobs(const float *logits, long V, const int64_t *rows, long n, const float *picked, long k, long B,
+                 float *lse, int64_t *above, float *vals, int64_t *ids, const uint32_t *mask, long W,
+                 const int64_t *midx) {
+    struct logprobs_call a = {logits, V, rows, n, picked, k, B, lse, above, vals, ids, mask, W, midx};
+    nk_parallel(n, nk_chunk(n), n > 1, logprobs_task, &a);
 }

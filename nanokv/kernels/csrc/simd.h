@@ -16,8 +16,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <omp.h>
-
 #if !defined(NK_PORTABLE) && (defined(__AVX2__) || defined(__AVX512VNNI__) || defined(__AVXVNNI__))
 #include <immintrin.h>
 #endif
