@@ -1,15 +1,17 @@
 """The CPU's threads: how many (NANOKV_NUM_THREADS) and how they wait between parallel regions.
 
-torch's ops and the C kernels run their parallel regions on OpenMP (GNU libgomp; the
-kernels load the libgomp torch loaded, so one pool of threads serves both). By default a
-libgomp thread that finishes a region busy-waits for the next one for GOMP_SPINCOUNT
-rounds (300,000, several milliseconds), between every kernel call and through the
-Python work of each step: on a machine whose cores are shared with other processes
-those spinning threads take the cores from the thread that has work, and CPU time per
-token grew 3-50x. So `import nanokv` sets GOMP_SPINCOUNT to SPIN_COUNT (a waiting thread
-sleeps at once) unless the user set it or OMP_WAIT_POLICY: libgomp reads them once, when
-it is loaded (by `import torch`), so this must happen before torch is imported; an
-engine started after torch was imported first says so once (see configure).
+The C kernels run their parallel regions on their own pool (kernels/csrc/pool.c: idle
+workers spin briefly, then sleep, and a region never waits for a worker the machine has
+not scheduled); torch's ops run theirs on OpenMP (GNU libgomp), whose idle threads
+busy-wait for the next region by default for GOMP_SPINCOUNT rounds (300,000, several
+milliseconds): through the Python work of each step and through the kernels' regions, so
+on a machine whose cores are shared they take the cores from the threads with work (CPU
+time per token grew 3-50x). So `import nanokv` sets GOMP_SPINCOUNT to SPIN_COUNT (an idle
+OpenMP thread sleeps at once: torch's ops are a small part of a step on the kernels' path,
+and a wake-up per op of theirs cost less than a spin that competes with the kernels' threads,
+measured in docs/benchmarks.md) unless the user set it or OMP_WAIT_POLICY: libgomp reads
+them once, when it is loaded (by `import torch`), so this must happen before torch is
+imported; an engine started after torch was imported first says so once (see configure).
 
 This module imports no torch: `import nanokv` stays light.
 """
@@ -57,7 +59,7 @@ def num_threads() -> int | None:
 
 
 def configure(share: int = 1) -> int:
-    """Apply NANOKV_NUM_THREADS to torch (the C kernels follow torch's count: kernels/ffi.py)
+    """Apply NANOKV_NUM_THREADS to torch (the C kernels' pool follows torch's count: kernels/ffi.py)
     and return the count; `share` processes (tensor-parallel ranks) split the cores, each
     taking its part. ValueError for a bad NANOKV_NUM_THREADS."""
     import torch

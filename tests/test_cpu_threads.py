@@ -1,7 +1,8 @@
 """The CPU's threads (nanokv/cpu_threads.py): NANOKV_NUM_THREADS sets the count of torch's ops
-and the C kernels alike, a bad value is refused naming the variable, and `import nanokv`
-makes OpenMP's idle threads sleep instead of busy-waiting (checked in subprocesses, since
-OpenMP reads its settings once, when the process loads it)."""
+and the C kernels' pool alike, a bad value is refused naming the variable, and `import nanokv`
+makes torch's OpenMP idle threads sleep instead of busy-waiting (checked in subprocesses, since
+OpenMP reads its settings once, when the process loads it). The pool itself:
+tests/kernels/test_pool.py."""
 
 from __future__ import annotations
 

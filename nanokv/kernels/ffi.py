@@ -87,6 +87,8 @@ def load(width: int | None = None, portable: bool | str = False):
     lib.nk_threads.restype = n
     lib.nk_pool_workers.argtypes = []
     lib.nk_pool_workers.restype = n
+    lib.nk_pool_stats.argtypes = [p, p]
+    lib.nk_pool_stats.restype = None
     lib.nk_pool_test.argtypes = [i, i, i, p, p, i, n]
     lib.nk_pool_test.restype = None
     lib.nk_int8_isa.argtypes = []

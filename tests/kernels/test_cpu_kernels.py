@@ -355,7 +355,7 @@ def test_last_layer_runs_only_the_rows_that_sample(model_dir, fused):
 
 
 def test_kernels_run_on_torchs_thread_count():
-    """The kernels' OpenMP runtime is not torch's: each call gives it torch's thread count,
+    """The kernels' thread pool is not torch's: each call gives it torch's thread count,
     so torch.set_num_threads (bench.py's one-thread runs, one_thread()) holds for them too."""
     if not kernels.available():
         pytest.skip("no C compiler: CPU kernels not built")

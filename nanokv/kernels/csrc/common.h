@@ -97,6 +97,7 @@ int nk_width(void);
 void nk_set_threads(int n); /* the calling thread's later regions' thread count (itself included) */
 int nk_threads(void);
 int nk_pool_workers(void);  /* workers started so far */
+void nk_pool_stats(long *regions, long *stalls);
 void nk_pool_test(long n, long chunk, long regions, int32_t *runs, int32_t *tids, long inner, int hold);
 
 /* layer.c: one whole decoder layer (Llama family, one rank); its two structs are ffi.py's

@@ -184,7 +184,8 @@ static void embed_task(void *ctx, struct nk_team *team) {
             } else {
                 float scale = ((const float *)(panel + nb * Q8_BLOCK_BYTES))[j];
                 for (long k = 0; k < K; k++) {
-                    const int8_t *q = (const int8_t *)panel + (k / QB) * Q8_BLOCK_BYTES + (k % QB) / 4 * 64 + j * 4 + k % 4;
+                    const int8_t *q =
+                        (const int8_t *)panel + (k / QB) * Q8_BLOCK_BYTES + (k % QB) / 4 * 64 + j * 4 + k % 4;
                     o[k] = (float)*q * scale;
                 }
             }

@@ -13,9 +13,19 @@
  * is in the ticket), and a region cannot end while one of its chunks is held.
  *
  * A worker with no work spins for SPIN_NS (the gaps between one step's regions are a few
- * microseconds of C or tens of microseconds of Python), then sleeps on a futex that the
- * next region wakes (the gaps between steps are milliseconds). The caller waits for claimed
- * chunks the same way: spins, then sleeps until the last chunk's worker wakes it.
+ * microseconds of C or tens of microseconds of Python), on `pause` and then on sched_yield
+ * (which hands the core to a thread that wants it, and costs nothing on an idle machine),
+ * then sleeps on a futex that the next region wakes (the gaps between steps are
+ * milliseconds). The caller waits for claimed chunks the same way: spins, then sleeps until
+ * the last chunk's worker wakes it.
+ *
+ * A worker descheduled while it holds a chunk still stalls its region, for as long as the
+ * machine keeps it off a core (milliseconds when every core is taken). So a caller that
+ * waited for its workers longer than its own chunks took (where running every chunk alone
+ * would have been sooner) runs its next FIRST_BACKOFF regions alone, twice as many after
+ * each stall in a row (at most MAX_BACKOFF, a few decode steps), and shares again after a
+ * region without one: a busy machine gets about one thread's speed rather than a stall per
+ * region, a quiet one never stalls.
  *
  * One region at a time: a second thread calling while a region runs, or a task calling
  * nk_parallel (nested), runs its chunks itself. Which thread runs a chunk never changes what
@@ -40,7 +50,11 @@
 #define COUNT(t) ((long)(((t) >> IDX_BITS) & MAX_CHUNKS))
 #define GEN(t) ((uint32_t)((t) >> (2 * IDX_BITS)))
 #define SPIN_NS 100000L             /* how long an idle thread spins before it sleeps */
-#define CHUNKS_PER_THREAD 4         /* nk_chunk: finer than one share per thread, so a slow thread's share moves */
+#define PAUSES 64                   /* spin rounds on `pause` before the rest on sched_yield */
+#define STALL_SLACK_NS 200000L      /* a caller waiting this much longer than its own chunks took: a stall */
+#define FIRST_BACKOFF 8             /* regions run alone after a stall, doubled after each stall in a row */
+#define MAX_BACKOFF 1024
+#define CHUNKS_PER_THREAD 2         /* nk_chunk: finer than one share per thread, so a slow thread's share moves */
 
 struct nk_team {
     long n, chunk, count;  /* the region's items, items per chunk, chunks */
@@ -65,9 +79,10 @@ static struct {
     LINE int busy;                        /* a region runs */
     uint32_t held;                        /* nk_pool_test: workers kept from joining (a futex) */
     int workers;                          /* started */
-    long spin_ns;
+    long serial_left, backoff;            /* regions to run alone after a stall, and the next such run */
+    long stalls, regions;                 /* counted, for nk_pool_stats */
     pthread_mutex_t start;
-} pool = {.start = PTHREAD_MUTEX_INITIALIZER, .spin_ns = -1};
+} pool = {.start = PTHREAD_MUTEX_INITIALIZER};
 
 static __thread int wanted;     /* this thread's count for its regions (nk_set_threads); 0: one per core */
 static __thread int in_region;  /* a task runs on this thread (a worker's always): nested regions run serially */
@@ -79,7 +94,9 @@ static void futex_wait(uint32_t *word, uint32_t value) {
     syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);
 }
 
-static void futex_wake(uint32_t *word, int count) { syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, count, NULL, NULL, 0); }
+static void futex_wake(uint32_t *word, int count) {
+    syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, count, NULL, NULL, 0);
+}
 
 static inline void relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -93,16 +110,6 @@ static long now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec * 1000000000L + ts.tv_nsec;
-}
-
-static long spin_ns(void) {
-    long s = LOAD(pool.spin_ns, RELAXED);
-    if (s < 0) { /* NANOKV_SPIN_US: the spin, for measuring it */
-        const char *e = getenv("NANOKV_SPIN_US");
-        s = e && *e ? atol(e) * 1000L : SPIN_NS;
-        STORE(pool.spin_ns, s < 0 ? 0 : s, RELAXED);
-    }
-    return s;
 }
 
 static void set_range(struct nk_team *t, long c, long *begin, long *end) {
@@ -151,12 +158,13 @@ int nk_team_id(const struct nk_team *t) { return t->tid; }
 /* a worker's wait for a region newer than `seen`: spin, then sleep until woken */
 static uint64_t await_region(uint32_t seen) {
     for (;;) {
-        long deadline = now_ns() + spin_ns();
+        long deadline = now_ns() + SPIN_NS;
         for (int i = 1;; i++) {
             uint64_t t = LOAD(pool.ticket, ACQUIRE);
             if (GEN(t) != seen) return t;
             if (i % 64 == 0 && now_ns() > deadline) break;
-            relax();
+            if (i > PAUSES) sched_yield(); /* a core another thread wants is handed over */
+            else relax();
         }
         uint32_t w = LOAD(pool.wake, SEQ_CST);
         __atomic_add_fetch(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
@@ -235,6 +243,12 @@ long nk_chunk(long n) {
 
 int nk_pool_workers(void) { return LOAD(pool.workers, RELAXED); }
 
+/* regions shared with the workers so far, and how many of them stalled */
+void nk_pool_stats(long *regions, long *stalls) {
+    *regions = pool.regions;
+    *stalls = pool.stalls;
+}
+
 /* fn(ctx, team) on this thread and on the workers that join, each taking chunks of `chunk`
  * items of [0, n) with nk_next until none is left; parallel == 0 (a region too small to
  * share): this thread alone. Returns when every chunk is finished. */
@@ -247,6 +261,13 @@ void nk_parallel(long n, long chunk, int parallel, nk_task fn, void *ctx) {
     int expected = 0;
     if (!parallel || threads < 2 || count < 2 || in_region ||
         !__atomic_compare_exchange_n(&pool.busy, &expected, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+        struct nk_team team = {.n = n, .chunk = chunk, .count = count, .serial = 1, .held = 0};
+        fn(ctx, &team);
+        return;
+    }
+    if (pool.serial_left > 0) {
+        pool.serial_left--;
+        STORE(pool.busy, 0, RELEASE);
         struct nk_team team = {.n = n, .chunk = chunk, .count = count, .serial = 1, .held = 0};
         fn(ctx, &team);
         return;
@@ -266,11 +287,13 @@ void nk_parallel(long n, long chunk, int parallel, nk_task fn, void *ctx) {
         futex_wake(&pool.wake, threads - 1);
     }
     struct nk_team team = {.n = n, .chunk = chunk, .count = count, .gen = gen, .held = -1};
+    pool.regions++;
+    long t0 = now_ns();
     in_region = 1;
     fn(ctx, &team);
     in_region = 0;
     /* every chunk is claimed now: wait for those still running elsewhere */
-    long deadline = now_ns() + spin_ns();
+    long t1 = now_ns(), deadline = t1 + SPIN_NS;
     for (int i = 1; (long)LOAD(pool.done, ACQUIRE) < count; i++) {
         if (i % 64 == 0 && now_ns() > deadline) {
             STORE(pool.waiting, 1, SEQ_CST);
@@ -279,6 +302,13 @@ void nk_parallel(long n, long chunk, int parallel, nk_task fn, void *ctx) {
             break;
         }
         relax();
+    }
+    if (now_ns() - t1 > t1 - t0 + STALL_SLACK_NS) { /* a stall: the caller alone would have been done sooner */
+        pool.backoff = pool.backoff ? (2 * pool.backoff < MAX_BACKOFF ? 2 * pool.backoff : MAX_BACKOFF) : FIRST_BACKOFF;
+        pool.serial_left = pool.backoff;
+        pool.stalls++;
+    } else {
+        pool.backoff = 0;
     }
     STORE(pool.busy, 0, RELEASE);
 }
