@@ -10,11 +10,16 @@ its chat template and EOS id, and the weights (usually quantized). What is read 
   the memory-mapped file. `GGUFReader` itself builds a numpy view of every metadata item
   (a real vocabulary: some 440k of them, seconds), which nanokv does not need.
   `GGUFCheckpoint` opens the file the way safetensors' `safe_open` opens a shard, under
-  the Hugging Face tensor names, and dequantizes one tensor at a time (gguf.dequantize, to
-  float32; the loader's copy into the model casts it to the compute dtype).
-- the config and the tokenizer: transformers' GGUF support (`AutoConfig` /
-  `AutoTokenizer` with `gguf_file=`, which read the whole file with `GGUFReader`), once
-  per file: `load_config` and `load_tokenizer` keep what transformers derived (the
+  the Hugging Face tensor names, and dequantizes one tensor at a time (to float32: Q4_0,
+  Q4_1 and Q8_0 a whole tensor at once here, the other types by gguf.dequantize; the
+  loader's copy into the model casts it to the compute dtype).
+- the config and the tokenizer: what transformers' GGUF support derives (`AutoConfig` /
+  `AutoTokenizer` with `gguf_file=`). For llama, qwen2 and qwen3 files the config dict
+  transformers' loader would build is built from the header read here, with
+  transformers' own key tables, and the tokenizer class AutoTokenizer would pick loads
+  the file itself (`_derive_config`, `_derive_tokenizer`): transformers' path reads every
+  metadata item through `GGUFReader` for each, seconds for a real vocabulary. Once per
+  file: `load_config` and `load_tokenizer` keep what was derived (the
   config's every value, the tokenizer's `save_pretrained`) under `cache_dir()`, the
   `gguf` folder of nanokv's cache root
   ($NANOKV_CACHE_DIR, else $XDG_CACHE_HOME/nanokv or ~/.cache/nanokv; the C kernels are
@@ -163,10 +168,8 @@ def load_config(path: str):
     entry = _cache_entry(path, "config", header.digest)
     values = _read_cache(entry, _read_config_values)
     if values is None:
-        from transformers import AutoConfig
-
         try:
-            derived = AutoConfig.from_pretrained(directory, gguf_file=name)
+            derived = _derive_config(path, header)
         except Exception as e:  # an architecture transformers cannot read, a damaged file
             raise ValueError(f"cannot read the config of {path}: {e} (nanokv loads GGUF architectures "
                              f"{supported})") from e
@@ -180,6 +183,66 @@ def load_config(path: str):
     config.architectures = [ARCHITECTURES[config.model_type]]
     _complete_config(path, config, header)
     return config
+
+
+def _derive_config(path: str, header: GGUFHeader):
+    """transformers' config of the file, as `AutoConfig.from_pretrained(gguf_file=)` derives it.
+    For nanokv's architectures the dict transformers' GGUF loader (load_gguf_checkpoint)
+    builds is built here from nanokv's header read, with transformers' own tables of GGUF
+    keys: that loader reads every metadata item through GGUFReader (a vocabulary and its
+    merges: seconds) to use a dozen scalars. Anything else (another architecture, an
+    array where a scalar is mapped, a transformers without the tables) goes through
+    AutoConfig itself."""
+    directory, name = os.path.split(os.path.abspath(path))
+    config_dict = _gguf_config_dict(header)
+    if config_dict is None:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(directory, gguf_file=name)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[config_dict["model_type"]].from_dict(config_dict, name_or_path=directory)
+
+
+def _gguf_config_dict(header: GGUFHeader) -> dict | None:
+    """load_gguf_checkpoint(path)["config"] for a llama, qwen2 or qwen3 file, from the header
+    (its steps for these architectures: tie_word_embeddings from the tensor names, the
+    architecture's defaults, each mapped key renamed, vocab_size from the token list when
+    the metadata has none); None where this does not apply."""
+    try:
+        from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+    except ImportError:
+        return None
+    keys, arch = header.metadata, header.metadata.get("general.architecture")
+    fast = _fast_config_architectures()
+    if arch not in ARCHITECTURES or arch not in GGUF_CONFIG_MAPPING or arch in fast or header.arrays is None:
+        return None  # transformers' own reader for it, or a file nanokv refuses after the derivation
+    if "llama" in arch and keys.get("general.name") == "mistral":  # transformers runs it as mistral
+        return None
+    config = {"tie_word_embeddings": all(t.name != "output.weight" for t in header.tensors)}
+    for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(arch, {}).items():
+        config.setdefault(key, value)
+    for key in header.keys:
+        prefix, _, rest = key.partition(".")
+        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest, -1)
+        if renamed in (None, -1):
+            continue
+        if key not in keys:  # an array (or a tokenizer string): not read here
+            return None
+        config[renamed] = keys[key]
+    if "vocab_size" not in config and "tokenizer.ggml.tokens" in header.arrays:
+        config["vocab_size"] = header.arrays["tokenizer.ggml.tokens"]
+    return config
+
+
+def _fast_config_architectures():
+    """The architectures whose config transformers rebuilds from its own fast reader (none
+    before transformers 5)."""
+    try:
+        from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
+    except ImportError:
+        return ()
+    return GGUF_CONFIG_ARCHS
 
 
 _CONFIG_FILE = "config.json"  # a config entry: every value of the derived config (not only those off its defaults)
@@ -398,18 +461,46 @@ def load_tokenizer(path: str):
     from the cache when it holds the file's."""
     _require_gguf(path)
     directory, name = os.path.split(os.path.abspath(path))
-    entry = _cache_entry(path, "tokenizer", read_header(path).digest)
+    header = read_header(path)
+    entry = _cache_entry(path, "tokenizer", header.digest)
     tokenizer = _read_cache(entry, _cached_tokenizer)
     if tokenizer is None:
-        from transformers import AutoTokenizer
-
         try:
-            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+            tokenizer = _derive_tokenizer(path, header)
         except Exception as e:
             raise ValueError(f"cannot load the tokenizer of {path}: {e}") from e
         _write_cache(entry, tokenizer.save_pretrained, path)
     tokenizer.name_or_path = directory
     return tokenizer
+
+
+def _derive_tokenizer(path: str, header: GGUFHeader):
+    """transformers' tokenizer of the file, as `AutoTokenizer.from_pretrained(gguf_file=)`
+    gives it. For nanokv's architectures on transformers 5 the class is picked as
+    AutoTokenizer's GGUF branch picks it (the tokenizer registered for the config's class,
+    else TokenizersBackend) and loads the file itself: AutoTokenizer first derives the
+    whole config through GGUFReader (seconds) only to learn the model type, which the
+    header gives. Elsewhere, AutoTokenizer."""
+    directory, name = os.path.split(os.path.abspath(path))
+    arch = header.metadata.get("general.architecture")
+    cls = None
+    if arch in ARCHITECTURES and arch not in _fast_config_architectures() and _gguf_config_dict(header) is not None:
+        try:
+            from transformers.integrations.gguf import get_gguf_tokenizer  # noqa: F401 - transformers 5's path
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+            from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        except ImportError:
+            pass
+        else:
+            cls = TOKENIZER_MAPPING.get(CONFIG_MAPPING[arch], TokenizersBackend)
+            if cls is None or cls.__name__ == "MistralCommonBackend":  # AutoTokenizer decides more there
+                cls = None
+    if cls is None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    return cls.from_pretrained(directory, gguf_file=name)
 
 
 def _cached_tokenizer(folder: str):
@@ -551,6 +642,8 @@ class GGUFHeader:
     tensors: list[GGUFTensor]
     metadata: dict[str, Any]  # every scalar key and every string key outside tokenizer.* -> its value
     digest: str  # sha256 of the bytes before the tensor data: magic, metadata, tensor infos
+    keys: tuple[str, ...] = ()  # every metadata key, in the file's order
+    arrays: dict[str, int] | None = None  # the key of each array -> its item count
 
 
 def read_tensors(path: str, metadata: dict | None = None) -> list[GGUFTensor]:
@@ -609,7 +702,7 @@ def read_header(path: str) -> GGUFHeader:
         data = data.view(dtype).reshape(shape) if dtype else data.reshape(gguf.quant_shape_to_byte_shape(shape, qtype))
         tensors.append(GGUFTensor(name, qtype, data, shape))
     digest = hashlib.sha256(memoryview(file)[:min(data_start, size)]).hexdigest()
-    return GGUFHeader(tensors, header.values, digest)
+    return GGUFHeader(tensors, header.values, digest, tuple(header.keys), header.arrays)
 
 
 class _Header:
@@ -618,6 +711,8 @@ class _Header:
     def __init__(self, path: str, buf: memoryview):
         self.path, self.buf, self.pos = path, buf, 0
         self.values = {}  # metadata key -> its value (scalars; strings outside tokenizer.*)
+        self.keys = []  # every metadata key, in the file's order
+        self.arrays = {}  # metadata key of an array -> its item count
         self.where = "in its counts"  # the item being read, for errors
 
     def fail(self, problem: str):
@@ -689,6 +784,9 @@ class _Header:
             if key in keys:
                 self.fail(f"metadata key {key} appears twice")
             keys.add(key)
+            self.keys.append(key)
+            if value_type == _ARRAY:
+                self.arrays[key] = _U64.unpack_from(self.buf, self.pos + 4)[0]
             if value_type in _SCALARS:
                 (self.values[key],) = _SCALARS[value_type].unpack_from(self.buf, self.pos)
             elif value_type == _STRING and not key.startswith("tokenizer."):
@@ -781,13 +879,50 @@ class GGUFCheckpoint:
         import numpy as np
 
         t = self._tensors[name]
-        w = gguf.dequantize(t.data, t.tensor_type)  # float32 (a view of the file for F32 tensors)
-        w = torch.from_numpy(w if w.flags.writeable else np.array(w))  # [torch dims]
+        w = dequantize(t)
+        if w is None:  # the other block types: the gguf package's numpy code
+            w = gguf.dequantize(t.data, t.tensor_type)  # float32 (a view of the file for F32 tensors)
+            w = torch.from_numpy(w if w.flags.writeable else np.array(w))  # [torch dims]
         if self.config.model_type == "llama" and name.endswith(("q_proj.weight", "q_proj.bias",
                                                                  "k_proj.weight", "k_proj.bias")):
             c = self.config
             w = _unpermute_rows(w, c.num_attention_heads if ".q_proj." in name else c.num_key_value_heads)
         return _Dequantized(w)
+
+
+# ggml block types dequantized here, a whole tensor at once: llama.cpp's legacy
+# types, the usual ones of a small model's file -> (bytes per block of 32 values)
+_TORCH_BLOCK_TYPES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+_DEQUANT_BLOCKS = 1 << 16  # blocks per step: bounds the temporaries to a few MiB
+
+
+def dequantize(t: GGUFTensor) -> torch.Tensor | None:
+    """A Q4_0, Q4_1 or Q8_0 tensor as float32 [t.shape], the same values, bit for bit, that
+    gguf.dequantize gives (the same float32 operations in the same order: d * q, then + m),
+    a whole tensor at a time (in steps of _DEQUANT_BLOCKS) instead of its Python loop over
+    small groups of rows; None for the other types. numpy: one thread, never spinning
+    against torch's on a busy machine."""
+    import numpy as np
+
+    kind = t.tensor_type.name
+    if kind not in _TORCH_BLOCK_TYPES:
+        return None
+    blocks = np.asarray(t.data).reshape(-1, _TORCH_BLOCK_TYPES[kind])  # uint8 [n, bytes], a view of the file
+    out = np.empty((blocks.shape[0], 32), np.float32)
+    for start in range(0, blocks.shape[0], _DEQUANT_BLOCKS):
+        b, o = blocks[start:start + _DEQUANT_BLOCKS], out[start:start + _DEQUANT_BLOCKS]
+        d = b[:, :2].copy().view(np.float16).astype(np.float32)  # [n, 1]
+        if kind == "Q8_0":
+            np.multiply(b[:, 2:].copy().view(np.int8), d, out=o, dtype=np.float32)
+            continue
+        qs = b[:, -16:]
+        q = np.concatenate([qs & 0x0F, qs >> 4], 1)  # [n, 32]: low nibbles are values 0-15, high ones 16-31
+        if kind == "Q4_0":
+            np.multiply(d, q.view(np.int8) - np.int8(8), out=o, dtype=np.float32)
+        else:
+            np.multiply(d, q, out=o, dtype=np.float32)
+            o += b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    return torch.from_numpy(out).view(t.shape)
 
 
 def _gguf_to_hf_names(name_map, names) -> dict[str, str]:

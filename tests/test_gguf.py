@@ -448,7 +448,7 @@ def test_bad_files_name_the_path_and_the_problem(tmp_path, damage, problem):
 # ---- the config / tokenizer cache -------------------------------------------------------
 
 class CountingReader(gguf.GGUFReader):
-    """GGUFReader, counting its files: transformers reads a GGUF through it."""
+    """GGUFReader, counting its files: transformers' legacy GGUF path reads a file through it."""
 
     opened: ClassVar[list[str]] = []
 
@@ -457,13 +457,26 @@ class CountingReader(gguf.GGUFReader):
         super().__init__(path, *args, **kw)
 
 
+class Derived:
+    """The files whose config or tokenizer was derived (not read from the cache)."""
+
+    opened: ClassVar[list[str]] = []
+
+
 @pytest.fixture
 def cache_root(monkeypatch, tmp_path):
-    """NANOKV_CACHE_DIR -> a tmp_path, the cache's real folder under it, GGUFReader counted."""
+    """NANOKV_CACHE_DIR -> a tmp_path, the cache's real folder under it, derivations counted."""
     monkeypatch.setattr(nk_gguf, "cache_dir", REAL_CACHE_DIR)
     monkeypatch.setenv("NANOKV_CACHE_DIR", str(tmp_path / "root"))
-    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
-    monkeypatch.setattr(CountingReader, "opened", [])
+    monkeypatch.setattr(Derived, "opened", [])
+    for name in ("_derive_config", "_derive_tokenizer"):
+        derive = getattr(nk_gguf, name)
+
+        def counted(path, header, derive=derive):
+            Derived.opened.append(os.path.basename(path))
+            return derive(path, header)
+
+        monkeypatch.setattr(nk_gguf, name, counted)
     return tmp_path / "root"
 
 
@@ -481,19 +494,19 @@ def entries(root) -> list[str]:
 def test_second_load_reads_the_cache(cache_root, gguf_file):
     path = gguf_file("qwen2-tiny")
     config, tokenizer = nk_gguf.load_config(path), nk_gguf.load_tokenizer(path)
-    assert len(CountingReader.opened) == 2  # transformers read the file for each
+    assert len(Derived.opened) == 2  # derived from the file, each
     (entry,) = (cache_root / "gguf").iterdir()
     assert entry.name.startswith("qwen2-tiny.Q8_0-") and sorted(os.listdir(entry)) == ["config", "tokenizer"]
 
     cached_config, cached_tokenizer = nk_gguf.load_config(path), nk_gguf.load_tokenizer(path)
-    assert len(CountingReader.opened) == 2  # not again: both came from the cache
+    assert len(Derived.opened) == 2  # not again: both came from the cache
     assert cached_config.to_dict() == config.to_dict()
     assert cached_config.architectures == ["Qwen2ForCausalLM"]
     assert tokenizer_facts(cached_tokenizer) == tokenizer_facts(tokenizer)
 
     with nk_gguf.GGUFCheckpoint(path, cached_config, []) as f:  # the tensors: nanokv's reader
         assert f.keys()
-    assert len(CountingReader.opened) == 2
+    assert len(Derived.opened) == 2
 
 
 def test_cache_root_is_nanokv_s(monkeypatch, tmp_path):
@@ -519,11 +532,11 @@ def test_entries_are_keyed_by_the_file_s_content(cache_root, gguf_file, tmp_path
     copy = shutil.copy(path, tmp_path / "other" / "model.gguf")
     assert nk_gguf.load_config(path).model_type == "qwen2"
     assert nk_gguf.load_config(str(copy)).model_type == "qwen2"
-    assert len(CountingReader.opened) == 1 and len(entries(cache_root)) == 1
+    assert len(Derived.opened) == 1 and len(entries(cache_root)) == 1
     shutil.copy(gguf_file("qwen3-tiny"), tmp_path / "new.gguf")
     os.replace(tmp_path / "new.gguf", path)  # rewritten: another model under the same name
     assert nk_gguf.load_config(path).model_type == "qwen3"
-    assert len(CountingReader.opened) == 2 and len(entries(cache_root)) == 2
+    assert len(Derived.opened) == 2 and len(entries(cache_root)) == 2
 
 
 def _same_size_templates(checkpoint, tmp_path) -> list[tuple[str, str]]:
@@ -551,7 +564,7 @@ def test_a_file_rewritten_in_place_with_its_size_and_mtime_gets_its_own_tokenize
     after = os.stat(old)
     assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
     assert nk_gguf.load_tokenizer(old).chat_template == new_template
-    assert len(CountingReader.opened) == 2  # derived again, not read from the old file's entry
+    assert len(Derived.opened) == 2  # derived again, not read from the old file's entry
 
 
 def test_an_entry_of_other_content_is_derived_again(cache_root, checkpoint, tmp_path, caplog):
@@ -567,8 +580,8 @@ def test_an_entry_of_other_content_is_derived_again(cache_root, checkpoint, tmp_
     with caplog.at_level(logging.INFO, logger="nanokv"):
         assert nk_gguf.load_tokenizer(a).chat_template == a_template
     assert "not derived from this file's content" in caplog.text
-    assert len(CountingReader.opened) == 3
-    assert nk_gguf.load_tokenizer(a).chat_template == a_template and len(CountingReader.opened) == 3  # rewritten
+    assert len(Derived.opened) == 3
+    assert nk_gguf.load_tokenizer(a).chat_template == a_template and len(Derived.opened) == 3  # rewritten
 
 
 @pytest.mark.parametrize("kind, file", [("config", "config.json"), ("tokenizer", "tokenizer.json"),
@@ -583,10 +596,10 @@ def test_a_damaged_entry_is_derived_again_and_rewritten(cache_root, gguf_file, k
     damaged.write_bytes(good[:len(good) // 2])
     with caplog.at_level(logging.INFO, logger="nanokv"):
         assert facts(load(path)) == expected
-    assert len(CountingReader.opened) == 2  # read from the file again
+    assert len(Derived.opened) == 2  # read from the file again
     assert "ignoring the unreadable cache entry" in caplog.text
     assert damaged.read_bytes() == good  # rewritten
-    assert facts(load(path)) == expected and len(CountingReader.opened) == 2
+    assert facts(load(path)) == expected and len(Derived.opened) == 2
 
 
 def test_an_unwritable_cache_root_still_loads(cache_root, gguf_file, caplog):
@@ -596,7 +609,7 @@ def test_an_unwritable_cache_root_still_loads(cache_root, gguf_file, caplog):
         for _ in range(2):
             assert nk_gguf.load_config(path).architectures == ["Qwen2ForCausalLM"]
             assert nk_gguf.load_tokenizer(path).chat_template.startswith("{% for m in messages %}")
-    assert len(CountingReader.opened) == 4 and cache_root.read_text() == "a file, not a folder"
+    assert len(Derived.opened) == 4 and cache_root.read_text() == "a file, not a folder"
     assert caplog.text.count("not caching") == 4
 
 
@@ -615,3 +628,121 @@ def test_a_gguf_has_no_generation_defaults_and_load_format_is_checked(gguf_file,
         LLM(path, load_format="safetensors", **small)
     tokenized = LLM(checkpoint("qwen3-tiny"), tokenizer=path, **small).get_tokenizer()  # a .gguf's tokenizer
     assert tokenized("Hello there").input_ids == llm.get_tokenizer()("Hello there").input_ids
+
+
+# ---- the config and tokenizer as transformers derives them, without GGUFReader -----------
+
+TEXTS = [
+    "", " ", "Hello, world!", "  leading and trailing spaces  ", "tabs\tand\nnewlines\r\n\n\n", "x" * 300,
+    "wörld café naïve Ünïcödé", "你好，世界。日本語のテキスト", "مرحبا بالعالم", "שלום עולם", "Привет, мир",
+    "emoji 👋🏽 🧑‍🚀 🇫🇷 ✨", "combining e\u0301 a\u0308 and zero\u200bwidth", "\u00a0non-breaking\u2009thin",
+    "def f(x):\n    return x ** 2  # code\n", "1234567890 3.14159 -42 1e-7 0x1F", "<|im_start|>", "<|im_end|>",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n", "<|endoftext|>text after eos",
+    "<|im_start|><|im_start|>nested<|im_end|>", "<not_special> <|fake|> < |im_start| >", "'s 're 've 'll 'd n't",
+    "URL https://example.com/a?b=c&d=e#f", "\\u0000 literal escapes \\n", "!!!???...---___***",
+]
+
+
+def unicode_texts(n: int, seed: int = 0) -> list[str]:
+    """Random strings over ASCII, Latin, Greek, CJK, emoji and whitespace code points."""
+    import random
+
+    rng = random.Random(seed)
+    ranges = [(0x20, 0x7E), (0xA0, 0x24F), (0x370, 0x3FF), (0x4E00, 0x4FFF), (0x1F300, 0x1F64F), (0x9, 0xD)]
+    out = []
+    for _ in range(n):
+        chars = [chr(rng.randint(*rng.choice(ranges))) for _ in range(rng.randint(1, 40))]
+        out.append("".join(chars))
+    return out
+
+
+CHATS = [
+    [{"role": "user", "content": "Hello"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "4"}, {"role": "user", "content": "wörld 你好 👋"}],
+]
+
+
+def assert_same_tokenizer(ours, theirs) -> None:
+    assert type(ours) is type(theirs)
+    assert ours.init_kwargs == theirs.init_kwargs
+    assert ours.backend_tokenizer.to_str() == theirs.backend_tokenizer.to_str()
+    assert (ours.chat_template, ours.special_tokens_map, len(ours)) == \
+        (theirs.chat_template, theirs.special_tokens_map, len(theirs))
+    for text in TEXTS + unicode_texts(300):
+        for special in (True, False):
+            ids = theirs(text, add_special_tokens=special).input_ids
+            assert ours(text, add_special_tokens=special).input_ids == ids, text
+        assert ours.decode(ids) == theirs.decode(ids)
+    for chat in CHATS:
+        for prompt in (True, False):
+            assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt) == \
+                theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt)
+
+
+@pytest.mark.parametrize("shape", [*SHAPES, "smollm2"])
+def test_config_and_tokenizer_are_transformers_without_its_reader(shape, gguf_file, monkeypatch, request):
+    """The config and the tokenizer of a llama / qwen2 / qwen3 file are the ones AutoConfig and
+    AutoTokenizer derive (every config value; the tokenizer's class, settings, token ids on
+    many texts, chat template), without reading the file through GGUFReader (every metadata
+    item, seconds for a real vocabulary): nanokv's header read gives the config's keys."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = request.getfixturevalue("smollm2_path") if shape == "smollm2" else gguf_file(shape)
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    monkeypatch.setattr(CountingReader, "opened", [])
+    header = nk_gguf.read_header(path)
+    config, tokenizer = nk_gguf._derive_config(path, header), nk_gguf._derive_tokenizer(path, header)
+    assert CountingReader.opened == []
+    directory, name = os.path.split(path)
+    expected = AutoConfig.from_pretrained(directory, gguf_file=name)
+    assert type(config) is type(expected)
+    assert json.loads(config.to_json_string(use_diff=False)) == json.loads(expected.to_json_string(use_diff=False))
+    assert_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(directory, gguf_file=name))
+
+
+def test_a_mapped_key_stored_as_an_array_takes_transformers_path(checkpoint, tmp_path, monkeypatch):
+    """A config key the header reader does not read (an array where transformers maps a
+    scalar) is derived by AutoConfig itself: the same config either way."""
+    from transformers import AutoConfig
+
+    path = write_gguf(checkpoint("qwen2-tiny"), str(tmp_path / "a.gguf"), "qwen2",
+                      metadata=[("qwen2.vocab_size", [7], gguf.GGUFValueType.ARRAY)])
+    header = nk_gguf.read_header(path)
+    assert header.arrays["qwen2.vocab_size"] == 1 and nk_gguf._gguf_config_dict(header) is None
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    monkeypatch.setattr(CountingReader, "opened", [])
+    config = nk_gguf._derive_config(path, header)
+    assert CountingReader.opened == ["a.gguf"]
+    expected = AutoConfig.from_pretrained(str(tmp_path), gguf_file="a.gguf")
+    assert config.to_dict() == expected.to_dict() and config.vocab_size == 7
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_dequantize_is_the_gguf_package_s_bit_for_bit(qtype):
+    """Whole-tensor dequantization gives gguf.dequantize's float32 values exactly, across the
+    steps it takes (more blocks than one step)."""
+    import numpy as np
+
+    rng = np.random.default_rng(int(qtype))
+    rows, cols = 2051, 1024  # 65,632 blocks of 32
+    values = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 3, (rows, 1))).astype(np.float32)
+    data = gguf.quantize(values, qtype)
+    t = nk_gguf.GGUFTensor("w", qtype, data, (rows, cols))
+    ours, theirs = nk_gguf.dequantize(t), gguf.dequantize(data, qtype)
+    assert ours.dtype == torch.float32 and ours.shape == (rows, cols)
+    assert np.array_equal(ours.numpy().view(np.uint32), theirs.view(np.uint32))
+    assert nk_gguf.dequantize(nk_gguf.GGUFTensor("f", Q.F32, values, (rows, cols))) is None
+
+
+def test_dequantize_on_smollm2_is_the_gguf_package_s(smollm2_path):
+    import numpy as np
+
+    done = 0
+    for t in nk_gguf.read_tensors(smollm2_path):
+        ours = nk_gguf.dequantize(t)
+        if ours is not None:
+            theirs = gguf.dequantize(t.data, t.tensor_type)
+            assert np.array_equal(ours.numpy().view(np.uint32), theirs.view(np.uint32)), t.name
+            done += 1
+    assert done == 211  # the Q4_1 and Q8_0 tensors
