@@ -78,6 +78,7 @@ def create_engine_config(args) -> EngineConfig:
     _check_vllm_args(args)  # before the model loads: these need no model
     tokenizer = _resolve_tokenizer(args.tokenizer, args.tokenizer_mode)
     model = gguf.resolve_model(args.model)  # a built-in name ("smollm2") -> its file
+    _start_kernel_build(args.device)  # on a first start the compiler runs while the config loads
     hf_config = load_hf_config(model)
     is_gguf = gguf.find_gguf(model) is not None
     _check_load_format(args.load_format, model, is_gguf)
@@ -373,6 +374,19 @@ def _resolve_kv_cache_dtype(kv_cache_dtype, device: torch.device, backend: str) 
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not read by flash_attn; set "
                          "attention_backend='triton' (or kv_cache_dtype='auto')")
     return kv_cache_dtype
+
+
+def _start_kernel_build(device) -> None:
+    """Begin building the C kernels in the background when the engine will run on the CPU
+    (ModelRunner's choose_kernels then waits for that build). A bad device or
+    NANOKV_CPU_WIDTH is reported later, in its turn."""
+    import nanokv.kernels.build as build
+
+    try:
+        if _resolve_device(device).type == "cpu":
+            build.start_build(build.width())
+    except ValueError:
+        pass
 
 
 def _resolve_weights(dtype: torch.dtype, device: torch.device, quantization, quantize_lm_head

@@ -29,7 +29,9 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,7 +150,47 @@ def build(width: int | None = None, portable: bool | str = False) -> Built:
     changed library, a missing or damaged manifest each read as no entry and are built
     again, replacing the entry by rename. Builders of one key take turns on a lock file
     (torchrun ranks: one compiles, the others load what it committed). A cache that cannot
-    be written to builds into a private temporary folder, removed at exit."""
+    be written to builds into a private temporary folder, removed at exit. A build begun
+    by start_build is waited for (its library, or its error), not begun again."""
+    with _started_lock:
+        started = _started.pop(_started_key(width, portable), None)
+    if started is not None:
+        return started.result(timeout=BUILD_TIMEOUT_S)
+    return _build_variant(width, portable)
+
+
+_started: dict[tuple, Future] = {}  # _started_key -> the build start_build began
+_started_lock = threading.Lock()
+
+
+def _started_key(width: int | None, portable: bool | str) -> tuple:
+    """A begun build is of one variant, compiler and cache folder."""
+    return width, portable, compiler(), str(cache_dir())
+
+
+def start_build(width: int | None = None, portable: bool | str = False) -> None:
+    """Begin building a variant (or checking its cache entry) in a background thread, so that
+    on a first start the compiler runs while the model's config and tokenizer load; the
+    next build() of the variant waits for it. Nothing when the kernels are switched off,
+    there is no compiler, or it was begun already."""
+    if not can_build():
+        return
+    future, key = Future(), _started_key(width, portable)
+    with _started_lock:
+        if key in _started:
+            return
+        _started[key] = future
+
+    def run():
+        try:
+            future.set_result(_build_variant(width, portable))
+        except BaseException as e:  # noqa: BLE001 - handed to the build() that waits for it
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="nanokv-kernel-build", daemon=True).start()
+
+
+def _build_variant(width: int | None, portable: bool | str) -> Built:
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
@@ -230,12 +272,7 @@ def _build(cc: str, variant: list[str], folder: Path, name: str) -> Built:
         return _build(cc, variant, _private_folder(e), name)
     with workspace as tmp:
         out = Path(tmp) / f"{name}.so"
-        compiled = [str(p) for p in sources() if p.suffix == ".c"]
-        proc = subprocess.run([cc, *variant, *compiled, "-o", str(out), "-lm"], capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed to build the CPU kernels ({CSRC}):\n{proc.stderr[-2000:]}")
-        data = out.read_bytes()
+        data = _compile(cc, variant, Path(tmp), out)
     try:
         built = _commit(folder, name, data)
     except OSError as e:
@@ -244,6 +281,76 @@ def _build(cc: str, variant: list[str], folder: Path, name: str) -> Built:
         built = _commit(_private_folder(e), name, data)
     logger.info("built nanokv CPU kernels: %s", built.path)
     return built
+
+
+def build_jobs() -> int:
+    """How many compilers run at once: one per CPU this process may use (the sources are a
+    few files of unequal size, so more would not help)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+_running: set[subprocess.Popen] = set()  # compilers in flight, stopped if the process exits first
+
+
+def _compile(cc: str, variant: list[str], tmp: Path, out: Path, jobs: int | None = None) -> bytes:
+    """The library's bytes: each .c file compiled to an object on its own (up to `jobs` at
+    once, the largest first), then linked with the same flags. The same library, byte for
+    byte, as one `cc <flags> *.c` (which compiles each file on its own too), in less time
+    when there are cores to spare."""
+    compiled = sorted((p for p in sources() if p.suffix == ".c"), key=lambda p: -p.stat().st_size)
+    pending = [(p, tmp / f"{p.stem}.o") for p in compiled]
+    jobs, procs, failed = jobs or build_jobs(), [], None
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
+    try:
+        while (pending or procs) and failed is None:
+            while pending and len(procs) < jobs:
+                if _exiting:
+                    raise RuntimeError("the process is exiting")
+                src, obj = pending.pop(0)
+                with open(obj.with_suffix(".err"), "wb") as err:  # a file: a full pipe would stall the compiler
+                    proc = subprocess.Popen([cc, *variant, "-c", str(src), "-o", str(obj)],
+                                            stdout=subprocess.DEVNULL, stderr=err)
+                _running.add(proc)
+                procs.append(proc)
+            done = next((proc for proc in procs if proc.poll() is not None), None)
+            if done is None:
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(procs[0].args, BUILD_TIMEOUT_S)
+                time.sleep(0.01)
+                continue
+            procs.remove(done)
+            _running.discard(done)
+            if done.returncode != 0:
+                failed = Path(done.args[-1]).with_suffix(".err").read_text(errors="replace")
+    finally:
+        for proc in procs:  # a failure or a timeout: the others are not waited for
+            proc.kill()
+            proc.wait()
+            _running.discard(proc)
+    if failed is None:
+        objects = [str(tmp / f"{p.stem}.o") for p in sorted(compiled)]  # linked in name order, as cc *.c does
+        link = subprocess.run([cc, *variant, *objects, "-o", str(out), "-lm"], capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S)
+        failed = link.stderr if link.returncode != 0 else None
+    if failed is not None:
+        raise RuntimeError(f"{cc} failed to build the CPU kernels ({CSRC}):\n{failed[-2000:]}")
+    return out.read_bytes()
+
+
+_exiting = False
+
+
+@atexit.register
+def _stop_compilers() -> None:
+    """A background build still compiling at exit: its compilers are stopped, no new one
+    starts (its temporary folder goes with TemporaryDirectory's finaliser or stays, unused)."""
+    global _exiting
+    _exiting = True
+    for proc in list(_running):
+        proc.kill()
 
 
 def _commit(folder: Path, name: str, data: bytes) -> Built:

@@ -145,8 +145,11 @@ def pack_weight(weight: torch.Tensor, format: str = "float32") -> PackedWeight:
     if format == "int8w":
         return PackedWeight(_pack_int8w(weight, panels), n, k, format)
     dtype = torch.float32 if format == "float32" else torch.bfloat16
-    padded = torch.zeros(panels * NR, k, dtype=dtype, device=weight.device)
-    padded[:n] = weight  # bfloat16: rounded to nearest even
+    if n == panels * NR and weight.dtype == dtype:  # whole panels: transposed straight from the weight
+        padded = weight.contiguous()
+    else:
+        padded = torch.zeros(panels * NR, k, dtype=dtype, device=weight.device)
+        padded[:n] = weight  # bfloat16: rounded to nearest even
     if format == "bfloat16":
         padded = padded.view(panels, NR, k)[:, BF16_ORDER].reshape(panels * NR, k)
     out = huge_pages(torch.empty(panels, k, NR, dtype=dtype, device=weight.device))

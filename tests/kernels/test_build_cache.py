@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +59,9 @@ class Cache:
     started: Path
 
     def compiles(self) -> int:
-        return len(self.log.read_text().splitlines()) if self.log.exists() else 0
+        """Builds run: the link steps (each build also runs the compiler on each .c file, -c)."""
+        lines = self.log.read_text().splitlines() if self.log.exists() else []
+        return sum(" -c " not in f" {line} " for line in lines)
 
 
 @pytest.fixture
@@ -80,6 +83,7 @@ def cache(healthy, tmp_path, monkeypatch) -> Cache:
     cc.write_text(f"""#!/bin/sh
 case " $* " in *" --version "*) exec {healthy.cc} "$@";; esac
 echo "$*" >> {log}
+echo $$ >> {tmp_path / "pids"}
 i=0
 while [ "$(ls {started} | wc -l)" -lt "${{NK_BUILDERS:-0}}" ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done
 prev=
@@ -347,9 +351,9 @@ def test_concurrent_builders_compile_once_and_load_the_same_bytes(cache, healthy
 
 
 def test_every_source_and_header_is_in_the_key_and_the_build(cache, healthy, tmp_path, monkeypatch):
-    """The kernels are csrc's .c files, compiled in one call into one library, and the
-    headers they include: a change to any one file (a header included only, too) is a new
-    cache key and a new build, and the build compiles every .c file."""
+    """The kernels are csrc's .c files, each compiled on its own and linked into one
+    library, and the headers they include: a change to any one file (a header included
+    only, too) is a new cache key and a new build, and the build compiles every .c file."""
     csrc = tmp_path / "csrc"
     shutil.copytree(build.CSRC, csrc)
     monkeypatch.setattr(build, "CSRC", csrc)
@@ -362,5 +366,94 @@ def test_every_source_and_header_is_in_the_key_and_the_build(cache, healthy, tmp
         built = build.build()
         assert cache.compiles() == i and built.path.name not in names, path.name
         names.add(built.path.name)
-    for line in cache.log.read_text().splitlines():
-        assert [a for a in line.split() if a.endswith(".c")] == [str(p) for p in files if p.suffix == ".c"]
+    sources = [str(p) for p in files if p.suffix == ".c"]
+    lines = cache.log.read_text().splitlines()
+    compiled = [a for line in lines for a in line.split() if a.endswith(".c")]
+    assert sorted(compiled) == sorted(sources * len(files))  # each build compiled each .c file once
+    links = [line.split() for line in lines if " -c " not in f" {line} "]
+    assert len(links) == len(files)
+    for link in links:  # all the objects, in the sources' order
+        assert [Path(a).stem for a in link if a.endswith(".o")] == [Path(c).stem for c in sources]
+
+
+def test_the_parallel_build_is_the_one_call_build(healthy, tmp_path):
+    """Each .c file compiled on its own (two at a time), then linked: the very library one
+    `cc <flags> *.c` call builds, byte for byte (what the kernels compute is unchanged)."""
+    variant = build.flags()
+    sources = [str(p) for p in build.sources() if p.suffix == ".c"]
+    serial = tmp_path / "serial.so"
+    subprocess.run([healthy.cc, *variant, *sources, "-o", str(serial), "-lm"], check=True, timeout=600)
+    (tmp_path / "work").mkdir()
+    parallel = build._compile(healthy.cc, variant, tmp_path / "work", tmp_path / "parallel.so", jobs=2)
+    assert parallel == serial.read_bytes() == healthy.library
+
+
+def test_a_build_begun_in_the_background_is_waited_for(cache, healthy, monkeypatch):
+    """start_build (the engine config calls it on the CPU) compiles while the model loads;
+    the kernels' build() then takes that library instead of compiling again."""
+    cache.library.unlink()
+    cache.manifest.unlink()
+    monkeypatch.setenv("NK_BUILDERS", "1")  # the compiler waits until the test says it started
+    build.start_build()
+    build.start_build()  # begun already: nothing more
+    deadline = time.monotonic() + 60
+    while cache.log.exists() is False and time.monotonic() < deadline:  # the background compiler runs
+        time.sleep(0.05)
+    assert cache.log.exists()
+    (cache.started / "test").touch()
+    built = build.build()
+    assert built.data == healthy.library and cache.compiles() == 1
+    assert build.build().path == cache.library and cache.compiles() == 1  # the committed entry, as before
+
+
+def test_the_engine_config_begins_the_build_on_the_cpu(cache, healthy, model_dir, monkeypatch):
+    from nanokv.engine.arg_utils import EngineArgs
+
+    cache.library.unlink()
+    cache.manifest.unlink()
+    EngineArgs(model=model_dir, device="cpu", max_model_len=128).create_engine_config()
+    deadline = time.monotonic() + 30
+    while cache.log.exists() is False and time.monotonic() < deadline:  # compiling, before any build() call
+        time.sleep(0.05)
+    assert cache.log.exists()
+    assert build.build().data == healthy.library and cache.compiles() == 1
+    EngineArgs(model=model_dir, device="cpu", max_model_len=128).create_engine_config()  # a cache hit now
+    assert build.build().data == healthy.library and cache.compiles() == 1
+
+
+def test_a_process_exiting_mid_build_stops_its_compilers(cache, tmp_path, monkeypatch):
+    """A background build still compiling when the process exits (a config made, no engine):
+    its compilers are stopped, none is left running."""
+    cache.library.unlink()
+    cache.manifest.unlink()
+    monkeypatch.setenv("NK_BUILDERS", "99")  # never reached: the compiler would wait its 60 s
+    code = (
+        "import time\n"
+        "from pathlib import Path\n"
+        "from nanokv.kernels import build\n"
+        "build.start_build()\n"
+        f"log = Path({str(cache.log)!r})\n"
+        "deadline = time.monotonic() + 60\n"
+        "while not log.exists() and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "assert log.exists()\n"
+    )
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    pids = [int(line) for line in (tmp_path / "pids").read_text().split()]
+    assert pids
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie has exited
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
