@@ -668,14 +668,17 @@ def read_header(path: str) -> GGUFHeader:
     import gguf
     import numpy as np
 
-    size = os.path.getsize(path)
+    identity = _identity(path)
+    size = identity[2]
     file = np.memmap(path, mode="r") if size else np.zeros(0, np.uint8)  # uint8 [size]
-    header = _Header(path, memoryview(file))
-    try:
-        infos, data_start, alignment = header.parse()
-    except struct.error:  # a read ran off the end
-        raise ValueError(f"{path}: the GGUF header is truncated {header.where} (the file has {size} bytes); the "
-                         "file is incomplete or damaged, download or copy it again") from None
+    parsed = _parsed.get(os.path.abspath(path))
+    if parsed is None or parsed[0] != identity:
+        parsed = (identity, *_parse_header(path, file, size))
+        if _identity(path) == identity:  # unchanged while it was read
+            _parsed[os.path.abspath(path)] = parsed
+            while len(_parsed) > _PARSED_FILES:
+                del _parsed[next(iter(_parsed))]
+    _, header, infos, data_start, alignment, digest = parsed
     tensors, expected = [], 0  # where the next tensor must start in the data section
     for name, dims, raw_type, offset in infos:
         try:
@@ -701,8 +704,32 @@ def read_header(path: str) -> GGUFHeader:
         dtype = _NUMPY_DTYPES.get(qtype.name)
         data = data.view(dtype).reshape(shape) if dtype else data.reshape(gguf.quant_shape_to_byte_shape(shape, qtype))
         tensors.append(GGUFTensor(name, qtype, data, shape))
+    return GGUFHeader(tensors, dict(header.values), digest, tuple(header.keys), dict(header.arrays))
+
+
+# a file's parsed header, reused while the file keeps its identity (a rewrite changes its
+# ctime, which no user can set back): a load reads one header three times (config,
+# tokenizer, weights), a tenth of a second each for a real vocabulary
+_parsed: dict[str, tuple] = {}
+_PARSED_FILES = 4  # files remembered
+
+
+def _identity(path: str) -> tuple:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _parse_header(path: str, file, size: int) -> tuple:
+    """(_Header, tensor infos, data start, alignment, sha256 of the header bytes)."""
+    header = _Header(path, memoryview(file))
+    try:
+        infos, data_start, alignment = header.parse()
+    except struct.error:  # a read ran off the end
+        raise ValueError(f"{path}: the GGUF header is truncated {header.where} (the file has {size} bytes); the "
+                         "file is incomplete or damaged, download or copy it again") from None
     digest = hashlib.sha256(memoryview(file)[:min(data_start, size)]).hexdigest()
-    return GGUFHeader(tensors, header.values, digest, tuple(header.keys), header.arrays)
+    header.buf = None  # the parse is kept, not the file's mapping
+    return header, infos, data_start, alignment, digest
 
 
 class _Header:

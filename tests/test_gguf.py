@@ -746,3 +746,25 @@ def test_dequantize_on_smollm2_is_the_gguf_package_s(smollm2_path):
             assert np.array_equal(ours.numpy().view(np.uint32), theirs.view(np.uint32)), t.name
             done += 1
     assert done == 211  # the Q4_1 and Q8_0 tensors
+
+
+def test_a_header_is_parsed_once_while_its_file_is_unchanged(gguf_file, checkpoint, tmp_path, monkeypatch):
+    """A load reads one header for the config, the tokenizer and the weights: parsed once;
+    a file rewritten in place (size and mtime put back) is parsed again."""
+    parses = []
+    parse = nk_gguf._Header.parse
+
+    def counted(self):
+        parses.append(self.path)
+        return parse(self)
+
+    monkeypatch.setattr(nk_gguf._Header, "parse", counted)
+    (old, old_template), (new, new_template) = _same_size_templates(checkpoint, tmp_path)
+    first = nk_gguf.read_header(old)
+    assert nk_gguf.read_header(old).digest == first.digest and len(parses) == 1
+    before = os.stat(old)
+    with open(new, "rb") as src, open(old, "r+b") as dst:
+        dst.write(src.read())
+    os.utime(old, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert nk_gguf.read_header(old).digest == nk_gguf.read_header(new).digest != first.digest
+    assert len(parses) == 3
