@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import nanokv.loader as loader
 from nanokv import LLM, SamplingParams, kernels
@@ -249,3 +250,24 @@ def test_old_entries_of_the_model_are_pruned(checkpoint, root, loads):
     assert len(kept) == KEEP_ENTRIES and new in kept and old[0] not in kept  # the oldest went
     assert not crashed.exists() and writing.exists() and STALE_TEMP_S > 60
     assert all(p.exists() for p in others)
+
+
+def test_the_conversion_runs_on_one_thread_and_gives_the_count_back(checkpoint, root, monkeypatch):
+    """A cache miss converts the weights on one torch thread (torch's idle OpenMP workers
+    took the cores from it on a busy machine); the process' thread count is restored after."""
+    seen = []
+    load_weights = loader.load_weights
+
+    def counted(model, model_dir):
+        seen.append(torch.get_num_threads())
+        return load_weights(model, model_dir)
+
+    monkeypatch.setattr(loader, "load_weights", counted)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(checkpoint("qwen3-tiny"), **SMALL)
+        llm.close()
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

@@ -205,6 +205,8 @@ def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     in lanes 8-15. A bias [I] each interleaves as a [*, 1] weight: interleave_gate_up(g[:, None], u[:, None])."""
     i, k = gate.shape
     panels = -(-i // 8)
+    if i == panels * 8:  # whole panels: one copy
+        return torch.stack((gate.reshape(panels, 8, k), up.reshape(panels, 8, k)), 1).reshape(panels * 16, k)
     both = torch.zeros(2, panels * 8, k, dtype=gate.dtype, device=gate.device)
     both[0, :i], both[1, :i] = gate, up
     return both.view(2, panels, 8, k).transpose(0, 1).reshape(panels * 16, k)
