@@ -161,6 +161,8 @@ def build(width: int | None = None, portable: bool | str = False) -> Built:
 
 _started: dict[tuple, Future] = {}  # _started_key -> the build start_build began
 _started_lock = threading.Lock()
+# a forked child has no build thread: it builds (or finds the entry) itself
+os.register_at_fork(after_in_child=_started.clear)
 
 
 def _started_key(width: int | None, portable: bool | str) -> tuple:

@@ -457,3 +457,21 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def test_a_forked_child_builds_for_itself(cache, healthy, monkeypatch):
+    """A process forked while a background build runs has no build thread: its build()
+    finds the entry (or compiles) instead of waiting for a thread that is not there."""
+    from concurrent.futures import Future
+
+    monkeypatch.setattr(build, "BUILD_TIMEOUT_S", 5)  # waiting for the missing thread: a TimeoutError
+    monkeypatch.setitem(build._started, build._started_key(None, False), Future())  # never finishes
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 when it got the library
+        code = 1
+        try:
+            code = 0 if build.build().data == healthy.library else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and cache.compiles() == 0
