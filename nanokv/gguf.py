@@ -64,6 +64,7 @@ import re
 import shutil
 import struct
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -675,9 +676,10 @@ def read_header(path: str) -> GGUFHeader:
     if parsed is None or parsed[0] != identity:
         parsed = (identity, *_parse_header(path, file, size))
         if _identity(path) == identity:  # unchanged while it was read
-            _parsed[os.path.abspath(path)] = parsed
-            while len(_parsed) > _PARSED_FILES:
-                del _parsed[next(iter(_parsed))]
+            with _parsed_lock:  # loads in several threads (an async front end's)
+                _parsed[os.path.abspath(path)] = parsed
+                while len(_parsed) > _PARSED_FILES:
+                    del _parsed[next(iter(_parsed))]
     _, header, infos, data_start, alignment, digest = parsed
     tensors, expected = [], 0  # where the next tensor must start in the data section
     for name, dims, raw_type, offset in infos:
@@ -711,6 +713,7 @@ def read_header(path: str) -> GGUFHeader:
 # ctime, which no user can set back): a load reads one header three times (config,
 # tokenizer, weights), a tenth of a second each for a real vocabulary
 _parsed: dict[str, tuple] = {}
+_parsed_lock = threading.Lock()
 _PARSED_FILES = 4  # files remembered
 
 
