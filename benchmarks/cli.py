@@ -17,6 +17,7 @@ from nanokv.engine.arg_utils import EngineArgs
 from benchmarks.accuracy import print_accuracy, run_accuracy
 from benchmarks.busy import busy
 from benchmarks.engines import cpu_kv_budget_fraction, load_hf, nanokv_variants
+from benchmarks.latency import PREFILL_LENS
 from benchmarks.micro import MICRO_SECTIONS, run_micro
 from benchmarks.report import print_report, print_side_by_side
 from benchmarks.roofline import model_dims
@@ -114,6 +115,13 @@ def main(argv: list[str], description: str | None = None) -> int | None:
     p.add_argument("--busy", type=int, default=0, metavar="N",
                    help="N CPU-bound processes run beside every engine's run, as on a machine whose cores other "
                         "work shares (each stopped when the run ends, and bounded in time)")
+    p.add_argument("--latency", action="store_true",
+                   help="instead of the workloads: batch-1 decode and long-prompt prefill tokens per second of "
+                        "nanokv's weight formats (float32, bfloat16, int8, int8+head unless --dtype / "
+                        "--quantization say) and llama.cpp's f32 and q8_0 when built, alternating, --repeats "
+                        "rounds (benchmarks/latency.py)")
+    p.add_argument("--prefill-lens", default=",".join(map(str, PREFILL_LENS)),
+                   help="--latency: the prompt lengths whose prefill is timed (comma-separated)")
     args = p.parse_args(argv)
     if args.busy < 0:
         p.error(f"--busy {args.busy}: give 0 or more processes")
@@ -132,6 +140,13 @@ def main(argv: list[str], description: str | None = None) -> int | None:
         from benchmarks.startup import main as startup_main
 
         return startup_main(args)
+    if args.latency:
+        from benchmarks.latency import main as latency_main
+
+        try:
+            return latency_main(args)
+        except ValueError as e:
+            p.error(str(e))
     try:
         specs = [workload_spec(w, args.num_requests, args.prompt_lens, args.output_lens) for w in names]
         nanokv_variants(args)

@@ -41,8 +41,10 @@ print(json.dumps({"import_seconds": imported - start, "load_seconds": loaded - i
 """
 
 
-def child_env(cache_dir: str) -> dict:
-    env = dict(os.environ, NANOKV_CACHE_DIR=cache_dir)
+def child_env(cache_dir: str | None) -> dict:
+    """The environment of a benchmarked child: this tree's nanokv, `cache_dir` as its cache
+    root (None: the one the user's environment names)."""
+    env = dict(os.environ) if cache_dir is None else dict(os.environ, NANOKV_CACHE_DIR=cache_dir)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))  # this tree's nanokv
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
