@@ -124,15 +124,19 @@ class _Int8Hooks:
 
 
 @needs_kernels
+@pytest.mark.parametrize("layout", ["int8", "int8w"])
 @pytest.mark.parametrize("with_head", [False, True], ids=["int8", "int8-head"])
 @pytest.mark.parametrize("shape", ["qwen3-tiny", "llama3-tiny"])
-def test_int8_agrees_with_transformers_running_the_same_quantization(checkpoint, shape, with_head):
+def test_int8_agrees_with_transformers_running_the_same_quantization(checkpoint, shape, with_head, layout,
+                                                                       monkeypatch):
     """Greedy tokens against transformers with the same int8 weights and activation blocks
     emulated in torch: at least 95% of the tokens agree (random-weight models have
     near-ties that the float32 rounding of the block sums can flip), and every first
-    generated token (one forward of the whole prompt) does."""
+    generated token (one forward of the whole prompt) does. Both layouts, whichever this
+    machine measures faster (NANOKV_INT8_LAYOUT)."""
     from transformers import AutoModelForCausalLM
 
+    monkeypatch.setenv(kernels.ops.INT8_LAYOUT_ENV, layout)
     model_dir = checkpoint(shape)
     prompts = random_prompts(LENGTHS, 1024, seed=11)
     llm = LLM(model_dir, max_model_len=256, quantization="int8", quantize_lm_head=with_head)

@@ -62,10 +62,12 @@ def load(width: int | None = None, portable: bool | str = False):
     """One variant of the library (build.flags), built and loaded once; None when it does
     not build or load (warned)."""
     try:
-        lib = _open(build.build(width, portable))
+        built = build.build(width, portable)
+        lib = _open(built)
     except Exception as e:  # no compiler, a compile error, an unloadable library
         logger.warning("nanokv CPU kernels unavailable, using the torch path: %s", e)
         return None
+    lib.nk_name = built.path.stem  # the build's cache name: what is measured of it is kept under it
     p, i, f, n = _P, _L, _F, ctypes.c_int
     lib.nk_linear.argtypes = [p, i, i, p, n, i, p, p]
     lib.nk_linear.restype = None

@@ -5,14 +5,23 @@ Inputs are contiguous float32 CPU tensors; the docstrings give the shapes."""
 from __future__ import annotations
 
 import ctypes
+import json
+import logging
+import math
+import os
 import platform
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
 import torch
 
+import nanokv.kernels.build as build
+from nanokv.fileio import write_durably
 from nanokv.kernels.ffi import NkLayer, NkStep, lib, ptr
+
+logger = logging.getLogger("nanokv")
 
 NR = 16  # output columns per packed weight panel (csrc/common.h)
 
@@ -191,12 +200,89 @@ def _pack_int8w(weight: torch.Tensor, panels: int) -> torch.Tensor:
     return out
 
 
+INT8_LAYOUT_ENV = "NANOKV_INT8_LAYOUT"  # int8 or int8w: that layout for quantization="int8", not the measured one
+LAYOUT_SHAPE = (1536, 1024)  # [n, k] of the weights int8_format times
+LAYOUT_COPIES = 16  # that many of them (24 MiB per layout: beyond the caches, as a model's weights are)
+LAYOUT_ROWS = (1, 32)  # rows multiplied at once: batch-1 decode, and a batch
+LAYOUT_ROUNDS = 5  # timed rounds per layout and row count, alternating; the fastest of each counts
+
+
 def int8_format() -> str:
-    """The int8 weight format the library computes fastest: int8 dot products where the
-    compiler targeted VNNI (one instruction multiplies and adds 4 int8 pairs per lane), else
-    int8w (weight-only: AVX2's int8 multiplies share a port with the FMAs and the
-    activations need quantizing, so widening the weights into the float32 FMAs is faster)."""
-    return "int8" if lib().nk_int8_isa() in (b"avx512vnni", b"avxvnni") else "int8w"
+    """The int8 weight layout quantization="int8" packs: NANOKV_INT8_LAYOUT when set, else
+    the one this library computes fastest on this machine, measured once per kernel
+    library (LAYOUT_*: the product of the times at 1 and 32 rows, the smaller wins) and
+    kept beside it in the cache. int8 multiplies int8 activations (VNNI: one instruction
+    multiplies and adds 4 int8 pairs per lane, but every row is quantized first); int8w
+    widens int8 weights into float32 FMAs (no quantized activations, more instructions).
+    Which is faster depends on the machine more than on its instruction set."""
+    forced = os.environ.get(INT8_LAYOUT_ENV, "").strip()
+    if forced:
+        if forced not in INT8_FORMATS:
+            raise ValueError(f"{INT8_LAYOUT_ENV}={forced!r}: use {' or '.join(INT8_FORMATS)}, or unset it for the "
+                             "layout measured fastest here")
+        return forced
+    return _measured_layout(lib().nk_name)
+
+
+@lru_cache(maxsize=None)
+def _measured_layout(library: str) -> str:
+    """The cached measurement for `library` (a kernel build's name) if it is a whole one of
+    ours; else measured now and written (atomically; a cache that cannot be written only
+    costs the measurement next time)."""
+    path = build.cache_dir() / f"{library}.int8-layout.json"
+    try:
+        entry = json.loads(path.read_bytes()[:4096])
+        if entry.get("library") == library and entry.get("layout") in INT8_FORMATS:
+            return entry["layout"]
+        logger.info("nanokv CPU kernels: %s is not a layout measurement of this library; measuring again", path)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, AttributeError) as e:
+        logger.info("nanokv CPU kernels: unreadable %s (%s); measuring again", path, e)
+    seconds = time_int8_layouts()
+    layout = min(INT8_FORMATS, key=lambda f: math.prod(seconds[f].values()))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_durably(path, [json.dumps({"library": library, "layout": layout, "seconds": seconds}).encode()])
+    except OSError as e:
+        logger.info("nanokv CPU kernels: could not keep the int8 layout measurement in %s: %s", path, e)
+    logger.info("nanokv CPU kernels: int8 weights as %s, the faster here (seconds %s)", layout, seconds)
+    return layout
+
+
+def time_int8_layouts() -> dict[str, dict[str, float]]:
+    """{layout: {rows: seconds}}: the fastest of LAYOUT_ROUNDS passes of LAYOUT_ROWS rows
+    through LAYOUT_COPIES weights of LAYOUT_SHAPE, layouts alternating round by round, on
+    one thread: what each layout costs a core, which other processes on the machine's
+    cores change far less than a parallel region's (its threads wait for each other)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the kernels follow (ffi.lib)
+    try:
+        return _time_int8_layouts()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _time_int8_layouts() -> dict[str, dict[str, float]]:
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(*LAYOUT_SHAPE, generator=g) * 0.02
+    packs = {}
+    for fmt in INT8_FORMATS:
+        one = pack_weight(weight, fmt)
+        packs[fmt] = [one] + [PackedWeight(one.data.clone(), one.n, one.k, fmt) for _ in range(LAYOUT_COPIES - 1)]
+    best = {fmt: {} for fmt in INT8_FORMATS}
+    for rows in LAYOUT_ROWS:
+        x = torch.randn(rows, LAYOUT_SHAPE[1], generator=g)
+        out = torch.empty(rows, LAYOUT_SHAPE[0])
+        for r in range(LAYOUT_ROUNDS + 1):  # the first round warms up
+            for fmt in INT8_FORMATS:
+                start = time.perf_counter()
+                for p in packs[fmt]:
+                    linear(x, p, out=out)
+                seconds = time.perf_counter() - start
+                if r:
+                    best[fmt][str(rows)] = min(best[fmt].get(str(rows), seconds), seconds)
+    return best
 
 
 def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
