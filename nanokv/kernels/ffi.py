@@ -98,6 +98,8 @@ def load(width: int | None = None, portable: bool | str = False):
     lib.nk_decoder_layer.argtypes = [ctypes.POINTER(NkLayer), ctypes.POINTER(NkStep), p, p, ctypes.c_int,
                                      ctypes.c_int, p]
     lib.nk_decoder_layer.restype = None
+    lib.nk_decoder_layers.argtypes = [ctypes.POINTER(NkLayer), i, ctypes.POINTER(NkStep), p, p, p]
+    lib.nk_decoder_layers.restype = None
     lib.nk_rmsnorm.argtypes = [p, p, i, i, p, f, p]
     lib.nk_rmsnorm.restype = None
     lib.nk_qk_norm_rope.argtypes = [p, i, i, i, i, p, p, f, p, p, p, p]

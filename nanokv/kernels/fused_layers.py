@@ -1,24 +1,28 @@
-"""The decoder layers of a single-rank Llama-family model on the CPU kernels, one C call
-per layer (nk_decoder_layer): the same kernels the modules call one by one, without
-returning to Python between them. On a small model a decode step is otherwise mostly
-Python and dispatch overhead.
+"""The decoder layers of a single-rank Llama-family model on the CPU kernels, all of them
+in one C call (nk_decoder_layers, nk_decoder_layer for each): the same kernels the modules
+call one by one, without returning to Python between them. On a small model a decode step
+is otherwise mostly Python and dispatch overhead.
 
 Built by the model when the kernel switch fuses its layers (layers/custom_op.py: one
 rank, SiLU, the cpu attention backend), after every layer has packed its weights."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from nanokv.attention.base import AttentionMetadata
 from nanokv.kernels.ffi import NkLayer, NkStep, ptr
-from nanokv.kernels.ops import OutputBuffer, decoder_layer
+from nanokv.kernels.ops import OutputBuffer, decoder_layers
 
 
 class FusedCpuLayers:
     def __init__(self, model):
         self.model = model  # DecoderModel
-        self.layers = [self._describe(layer) for layer in model.layers]
+        descs = [self._describe(layer) for layer in model.layers]
+        self.layers = (NkLayer * len(descs))(*descs)  # one C array: all layers run in one call
+        self.cache_seen = None  # weakref to the first layer's K cache self.layers points at (_point_at_caches)
         self.buffers: dict[str, OutputBuffer] = {}
 
     @staticmethod
@@ -35,6 +39,19 @@ class FusedCpuLayers:
             qkv=ptr(qkv.packed.data), qkv_bias=ptr(qkv.bias), o=ptr(o.packed.data), o_bias=ptr(o.bias),
             gate_up=ptr(gu.packed.data), gate_up_bias=ptr(gu.packed_bias if gu.bias is not None else None),
             down=ptr(down.packed.data), down_bias=ptr(down.bias))
+
+    def _point_at_caches(self) -> None:
+        """Each layer's KV cache pages into its description, when the runner has set new
+        ones (it sets every layer's at once: the first layer's tensor tells)."""
+        first = self.model.layers[0].self_attn.attn.k_cache
+        if self.cache_seen is not None and self.cache_seen() is first:
+            return
+        for desc, layer in zip(self.layers, self.model.layers):
+            cache = layer.self_attn.attn
+            desc.k_cache, desc.v_cache = cache.k_cache.data_ptr(), cache.v_cache.data_ptr()
+            desc.k_scales, desc.v_scales = ptr(cache.k_scales), ptr(cache.v_scales)  # None: float32 pages
+            desc.bs = cache.k_cache.shape[1]
+        self.cache_seen = weakref.ref(first)  # not a reference: release_kv_cache frees the pool at once
 
     def _buffer(self, name: str, rows: int, cols: int) -> torch.Tensor:
         return self.buffers.setdefault(name, OutputBuffer()).get(rows, cols)
@@ -63,13 +80,8 @@ class FusedCpuLayers:
             kept, order = keep.sort()
             step.keep_n, step.keep = kept.numel(), ptr(kept)
         hidden, residual = self._buffer("hidden", T, H), self._buffer("residual", T, H)
-        last = len(self.layers) - 1
-        for i, (desc, layer) in enumerate(zip(self.layers, self.model.layers)):
-            cache = layer.self_attn.attn
-            desc.k_cache, desc.v_cache = cache.k_cache.data_ptr(), cache.v_cache.data_ptr()
-            desc.k_scales, desc.v_scales = ptr(cache.k_scales), ptr(cache.v_scales)  # None: float32 pages
-            desc.bs = cache.k_cache.shape[1]
-            decoder_layer(desc, step, x if i == 0 else hidden, residual, i == 0, i == last, hidden)
+        self._point_at_caches()
+        decoder_layers(self.layers, step, x, residual, hidden)
         if not fewer:
             return (hidden, residual) if keep is None else (hidden[keep], residual[keep])
         n = kept.numel()

@@ -494,6 +494,14 @@ def decoder_layer(layer: NkLayer, step: NkStep, x: torch.Tensor, residual: torch
                            int(first), int(last), out.data_ptr())
 
 
+def decoder_layers(layers, step: NkStep, x: torch.Tensor, residual: torch.Tensor, out: torch.Tensor) -> None:
+    """Every layer of `layers` (a ctypes array of NkLayer), in order, in one C call: what
+    decoder_layer does for each of them in turn (the first reads x, the others out; the
+    last keeps step.keep's rows)."""
+    lib().nk_decoder_layers(layers, len(layers), ctypes.byref(step), x.data_ptr(), residual.data_ptr(),
+                            out.data_ptr())
+
+
 class OutputBuffer:
     """One reusable output tensor, grown on demand. Large fresh CPU tensors are mmapped and
     page-faulted on every step; a projection whose output is consumed before the same

@@ -128,7 +128,7 @@ class DecoderModel(CustomOp):
             DecoderLayer(cfg, tp, qkv_bias, o_bias, qk_norm, mlp_bias)
             for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.fused_layers: FusedCpuLayers | None = None  # one C call per layer, when the switch fuses them
+        self.fused_layers: FusedCpuLayers | None = None  # all layers in one C call, when the switch fuses them
 
     def forward_native(self, input_ids, positions, meta, keep=None):
         """[T] token ids -> final hidden states [T, hidden], or of the rows keep lists (in its

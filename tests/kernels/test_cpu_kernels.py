@@ -325,6 +325,34 @@ def test_fused_layers_equal_the_layer_by_layer_kernels(model_dir):
     assert results[0] == results[1]
 
 
+def test_fused_layers_follow_a_new_kv_cache_and_keep_no_old_one(model_dir):
+    """The fused layers' descriptions point at the runner's KV cache: a pool set anew is
+    followed (same tokens from a fresh pool), and a released one is not kept alive."""
+    import gc
+    import weakref
+
+    from nanokv import LLM, SamplingParams
+    from nanokv.runner.kv_cache import allocate_kv_cache
+
+    llm = LLM(model_dir, max_model_len=256, kvcache_block_size=8, enable_prefix_caching=False)
+    runner = llm.llm_engine.runner
+    fused = runner.model.model.fused_layers
+    prompts = [[(5 * i + j) % 900 + 1 for j in range(n)] for i, n in enumerate([3, 30])]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    old = weakref.ref(runner.kv_cache)
+    runner._set_kv_cache(*allocate_kv_cache(runner.config, runner.num_blocks + 1, *runner.kv_shape, log=False))
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert again == first
+    for desc, layer in zip(fused.layers, runner.attn_layers):
+        assert (desc.k_cache, desc.v_cache) == (layer.k_cache.data_ptr(), layer.v_cache.data_ptr())
+    gc.collect()
+    assert old() is None  # the first pool is gone: nothing held it
+    runner.release_kv_cache()
+    gc.collect()
+    assert fused.cache_seen() is None
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_last_layer_runs_only_the_rows_that_sample(model_dir, fused):
     """A prefill chunk needs the last layer's output only for its sampling token: with keep,

@@ -132,5 +132,7 @@ struct nk_step {
 
 void nk_decoder_layer(const struct nk_layer *l, const struct nk_step *s, const float *x, float *residual,
                       int first, int last, float *out);
+void nk_decoder_layers(const struct nk_layer *layers, long n, const struct nk_step *s, const float *x,
+                       float *residual, float *out);
 
 #endif

@@ -37,3 +37,11 @@ void nk_decoder_layer(const struct nk_layer *l, const struct nk_step *s, const f
     nk_linear_silu_mul(s->normed, T, H, l->gate_up, l->fmt, l->I, l->gate_up_bias, s->act);
     nk_linear(s->act, T, l->I, l->down, l->fmt, H, l->down_bias, out);
 }
+
+/* layers [n], one after another, in one call: x -> out (the first layer reads x, the others
+ * out, in place), residual as nk_decoder_layer keeps it; the last one with s->keep. A
+ * decode step then crosses from Python into C once, not once per layer. */
+void nk_decoder_layers(const struct nk_layer *layers, long n, const struct nk_step *s, const float *x,
+                       float *residual, float *out) {
+    for (long i = 0; i < n; i++) nk_decoder_layer(&layers[i], s, i ? out : x, residual, i == 0, i == n - 1, out);
+}
