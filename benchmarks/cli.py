@@ -42,6 +42,12 @@ def resolve_model(args, scratch: str) -> tuple[str, str]:
     return cached_tiny_checkpoint(args.shape, dtype=dtype), f"random {args.shape}"
 
 
+def _say_busy(hogs: list[int], n: int) -> None:
+    if hogs:
+        print(f"bench.py: {len(hogs)} CPU-bound processes running beside every engine (--busy {n}, "
+              f"pids {' '.join(map(str, hogs))})", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str], description: str | None = None) -> int | None:
     """bench.py with these arguments (sys.argv[1:]); `description` heads --help. Returns the
     exit status of `serve`, else None."""
@@ -136,17 +142,16 @@ def main(argv: list[str], description: str | None = None) -> int | None:
         p.error("give --model or --shape, not both")
     if not args.model and not args.shape:
         args.model, args.shape = (None, "qwen3-0.6b") if cuda else ("smollm2", None)
-    if args.startup:
+    if args.startup or args.latency:
+        from benchmarks.latency import main as latency_main
         from benchmarks.startup import main as startup_main
 
-        return startup_main(args)
-    if args.latency:
-        from benchmarks.latency import main as latency_main
-
-        try:
-            return latency_main(args)
-        except ValueError as e:
-            p.error(str(e))
+        with busy(args.busy) as hogs:
+            _say_busy(hogs, args.busy)
+            try:
+                return (startup_main if args.startup else latency_main)(args)
+            except ValueError as e:
+                p.error(str(e))
     try:
         specs = [workload_spec(w, args.num_requests, args.prompt_lens, args.output_lens) for w in names]
         nanokv_variants(args)
@@ -157,9 +162,7 @@ def main(argv: list[str], description: str | None = None) -> int | None:
     if args.hf_cb_memory is None and not cuda:
         args.hf_cb_memory = cpu_kv_budget_fraction()
     with tempfile.TemporaryDirectory(prefix="nanokv-bench-") as scratch, busy(args.busy) as hogs:
-        if hogs:
-            print(f"bench.py: {len(hogs)} CPU-bound processes running beside every engine (--busy {args.busy}, "
-                  f"pids {' '.join(map(str, hogs))})", file=sys.stderr, flush=True)
+        _say_busy(hogs, args.busy)
         try:
             model_dir, args.label = resolve_model(args, scratch)
         except ValueError as e:  # a model that does not resolve: say how to get it

@@ -191,7 +191,10 @@ def main(args) -> None:
     lens = [int(n) for n in args.prefill_lens.split(",") if n]
     report = run_latency(model, label, latency_variants(args), args.repeats, lens, llamacpp_binary("llama-bench"),
                          llamacpp_binary("llama-quantize"))
+    report["busy"] = args.busy  # CPU-bound processes beside every engine
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print_latency(report)
+        if args.busy:
+            print(f"\n{args.busy} CPU-bound processes ran beside every engine (--busy {args.busy})")

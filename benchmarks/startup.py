@@ -208,7 +208,10 @@ def main(args) -> None:
 
         model, label = cached_tiny_checkpoint(args.shape), f"random {args.shape}"
     report = run_startup(model, label, args.repeats, args.llama_server)
+    report["busy"] = args.busy  # CPU-bound processes beside every engine
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print_startup(report)
+        if args.busy:
+            print(f"\n{args.busy} CPU-bound processes ran beside every engine (--busy {args.busy})")

@@ -93,3 +93,16 @@ def test_bench_busy_reports_and_leaves_no_process(model_dir):
     bad = subprocess.run([sys.executable, "bench.py", "--busy", "-1"], cwd=ROOT, capture_output=True, text=True,
                          timeout=600)
     assert bad.returncode == 2 and "--busy -1: give 0 or more processes" in bad.stderr
+
+
+@pytest.mark.slow  # engines in new processes
+@pytest.mark.parametrize("mode", [["--startup"], ["--latency", "--quantization", "none", "--prefill-lens", "40"]])
+def test_startup_and_latency_run_beside_the_hogs_too(model_dir, mode):
+    env = dict(os.environ, NANOKV_CPU_KERNELS="0") if mode[0] == "--startup" else None  # no compile: short
+    out = subprocess.run([sys.executable, "bench.py", *mode, "--model", model_dir, "--repeats", "1", "--busy", "1",
+                          "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["busy"] == 1
+    said = re.search(r"1 CPU-bound processes running beside every engine \(--busy 1, pids (\d+)\)", out.stderr)
+    assert said, out.stderr[-2000:]
+    assert not is_hog(int(said.group(1)))
