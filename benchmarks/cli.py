@@ -12,6 +12,7 @@ import tempfile
 
 import torch
 
+from nanokv.cpu_threads import restore_environ
 from nanokv.engine.arg_utils import EngineArgs
 
 from benchmarks.accuracy import print_accuracy, run_accuracy
@@ -129,6 +130,7 @@ def main(argv: list[str], description: str | None = None) -> int | None:
     p.add_argument("--prefill-lens", default=",".join(map(str, PREFILL_LENS)),
                    help="--latency: the prompt lengths whose prefill is timed (comma-separated)")
     args = p.parse_args(argv)
+    restore_environ()  # peers (llama.cpp's OpenMP) run with the user's wait setting, not the one nanokv set
     if args.busy < 0:
         p.error(f"--busy {args.busy}: give 0 or more processes")
     unknown = [n for n in args.micro_sections.split(",") if n and n not in MICRO_SECTIONS]

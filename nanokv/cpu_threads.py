@@ -32,14 +32,31 @@ _runtime_started_first = False  # torch (its OpenMP runtime) was imported before
 _warned = False
 
 
+_ours: str | None = None  # the GOMP_SPINCOUNT value nanokv put into os.environ, until it takes it out
+
+
 def prepare_runtime() -> None:
     """Called by `import nanokv` before anything imports torch: the wait setting for
     OpenMP (see the module's doc). A user's GOMP_SPINCOUNT or OMP_WAIT_POLICY wins."""
-    global _runtime_started_first
+    global _runtime_started_first, _ours
     if any(name in os.environ for name in WAIT_ENV):
         return
-    os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+    os.environ["GOMP_SPINCOUNT"] = _ours = str(SPIN_COUNT)
     _runtime_started_first = "torch" in sys.modules
+
+
+def restore_environ() -> None:
+    """Take nanokv's GOMP_SPINCOUNT back out of os.environ once torch is imported (libgomp
+    has read it then), so that the programs this process starts (an OpenMP program such as
+    llama.cpp, whose threads sleeping between regions would slow it down) inherit the
+    environment the user gave. Called when an engine starts (configure) and by bench.py
+    before it starts peers; a value someone else set since is left alone."""
+    global _ours
+    if _ours is None or "torch" not in sys.modules:
+        return
+    if os.environ.get("GOMP_SPINCOUNT") == _ours:
+        del os.environ["GOMP_SPINCOUNT"]
+    _ours = None
 
 
 def num_threads() -> int | None:
@@ -65,6 +82,7 @@ def configure(share: int = 1) -> int:
     import torch
 
     global _warned
+    restore_environ()
     n = num_threads() or torch.get_num_threads()
     n = max(1, n // share) if share > 1 else n
     if torch.get_num_threads() != n:

@@ -109,3 +109,26 @@ def test_torch_imported_first_is_told():
     assert late.count("torch was imported before nanokv") == 1 and "GOMP_SPINCOUNT=0" in late
     early = run(code.format(first="import nanokv, torch"), NANOKV_NUM_THREADS="2").stderr
     assert "torch was imported before nanokv" not in early
+
+
+CHILD_SEES = ("import os, subprocess\n"
+              "{first}\n"
+              "from nanokv import cpu_threads\n"
+              "before = os.environ.get('GOMP_SPINCOUNT', 'unset')\n"
+              "cpu_threads.{call}\n"
+              "child = subprocess.run(['sh', '-c', 'echo ${{GOMP_SPINCOUNT-unset}}'], capture_output=True, text=True)\n"
+              "print(before, child.stdout.strip())\n")
+
+
+@pytest.mark.parametrize("first,call,user,expected", [
+    ("import nanokv, torch", "configure()", None, "0 unset"),  # an engine started: the setting is taken out
+    ("import nanokv, torch", "restore_environ()", None, "0 unset"),  # bench.py before its peers
+    ("import nanokv", "restore_environ()", None, "0 0"),  # torch not loaded yet: OpenMP has not read it
+    ("import nanokv, torch", "configure()", "1234", "1234 1234"),  # the user's own value stays
+])
+def test_programs_started_later_get_the_users_environment(first, call, user, expected):
+    """nanokv's GOMP_SPINCOUNT is for its own process: once torch has loaded OpenMP, programs
+    it starts (llama.cpp in bench.py, a user's OpenMP tool) inherit the environment as given."""
+    extra = {} if user is None else {"GOMP_SPINCOUNT": user}
+    out = run(CHILD_SEES.format(first=first, call=call), **extra)
+    assert out.stdout.split() == expected.split()
