@@ -26,13 +26,11 @@ def run_python(code: str, **env) -> subprocess.CompletedProcess:
 
 @needs_kernels
 @pytest.mark.slow
-def test_building_a_config_compiles_nothing(model_dir, tmp_path):
-    """EngineArgs.create_engine_config picks the cpu backend by looking for a compiler, not by running it:
-    no compiler run, no library built or loaded until the kernels are asked for."""
-    marker = tmp_path / "cc-ran"
-    cc = tmp_path / "cc"
-    cc.write_text(f'#!/bin/sh\ntouch {marker}\nexec {kernels.build.compiler()} "$@"\n')
-    cc.chmod(0o755)
+def test_building_a_config_loads_nothing(model_dir, tmp_path):
+    """EngineArgs.create_engine_config picks the cpu backend by looking for a compiler, and
+    only begins the kernels' build in the background (a first start compiles while the
+    config and tokenizer load): no library is loaded until the kernels are asked for, and
+    the process asking for them gets the one library."""
     cache = tmp_path / "cache"
     code = (
         "from nanokv import kernels\n"
@@ -40,12 +38,10 @@ def test_building_a_config_compiles_nothing(model_dir, tmp_path):
         f"config = EngineArgs(model={model_dir!r}).create_engine_config()\n"
         "print(config.attention_backend, kernels.ffi.load.cache_info().currsize)\n"
     )
-    out = run_python(code, CC=str(cc), NANOKV_CACHE_DIR=str(cache))
+    out = run_python(code, NANOKV_CACHE_DIR=str(cache))
     assert out.stdout.split() == ["cpu", "0"]
-    assert not marker.exists() and not any(cache.rglob("*.so"))
-    # the same process asking for the kernels does build them: the checks above can fail
-    run_python("from nanokv import kernels\nassert kernels.available()\n", CC=str(cc), NANOKV_CACHE_DIR=str(cache))
-    assert marker.exists() and len(list(cache.rglob("*.so"))) == 1
+    run_python("from nanokv import kernels\nassert kernels.available()\n", NANOKV_CACHE_DIR=str(cache))
+    assert len(list(cache.rglob("*.so"))) == 1
 
 
 @pytest.mark.parametrize("on", [True, False], ids=["cpu-kernels", "torch"])
