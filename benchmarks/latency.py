@@ -27,7 +27,7 @@ import time
 import torch
 
 from benchmarks.engines import Variant, nanokv_variants
-from benchmarks.startup import child_env, model_gguf
+from benchmarks.startup import child_env, emit, model_and_label, model_gguf
 
 DECODE_TOKENS = 128  # tokens timed at batch 1 (after the first)
 DECODE_PROMPT = 32  # prompt tokens before them
@@ -183,18 +183,8 @@ def main(args) -> None:
     --dtype, --quantization, --prefill-lens, --json)."""
     from benchmarks.peers.llamacpp import llamacpp_binary
 
-    model, label = args.model, args.model
-    if args.shape:
-        from nanokv.testing.tiny import cached_tiny_checkpoint
-
-        model, label = cached_tiny_checkpoint(args.shape), f"random {args.shape}"
+    model, label = model_and_label(args)
     lens = [int(n) for n in args.prefill_lens.split(",") if n]
     report = run_latency(model, label, latency_variants(args), args.repeats, lens, llamacpp_binary("llama-bench"),
                          llamacpp_binary("llama-quantize"))
-    report["busy"] = args.busy  # CPU-bound processes beside every engine
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_latency(report)
-        if args.busy:
-            print(f"\n{args.busy} CPU-bound processes ran beside every engine (--busy {args.busy})")
+    emit(report, args, print_latency)

@@ -202,16 +202,25 @@ def print_startup(report: dict) -> None:
 def main(args) -> None:
     """bench.py --startup with bench.py's parsed arguments (--model or --shape, --repeats,
     --llama-server, --json)."""
-    model, label = args.model, args.model
+    model, label = model_and_label(args)
+    emit(run_startup(model, label, args.repeats, args.llama_server), args, print_startup)
+
+
+def model_and_label(args) -> tuple[str, str]:
+    """The model a --startup / --latency run loads (--model, or --shape's random weights) and its name."""
     if args.shape:
         from nanokv.testing.tiny import cached_tiny_checkpoint
 
-        model, label = cached_tiny_checkpoint(args.shape), f"random {args.shape}"
-    report = run_startup(model, label, args.repeats, args.llama_server)
+        return cached_tiny_checkpoint(args.shape), f"random {args.shape}"
+    return args.model, args.model
+
+
+def emit(report: dict, args, print_table) -> None:
+    """A --startup / --latency report: JSON with --json, else its tables; with --busy N said."""
     report["busy"] = args.busy  # CPU-bound processes beside every engine
     if args.json:
         print(json.dumps(report, indent=2))
-    else:
-        print_startup(report)
-        if args.busy:
-            print(f"\n{args.busy} CPU-bound processes ran beside every engine (--busy {args.busy})")
+        return
+    print_table(report)
+    if args.busy:
+        print(f"\n{args.busy} CPU-bound processes ran beside every engine (--busy {args.busy})")
