@@ -18,6 +18,7 @@ This module imports no torch: `import nanokv` stays light.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -93,3 +94,22 @@ def configure(share: int = 1) -> int:
                        "(libgomp's default), which slows nanokv on a machine whose cores are busy: import nanokv "
                        "before torch, or set GOMP_SPINCOUNT=%d in the environment", SPIN_COUNT)
     return n
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch's CPU ops, and the C kernels (which follow torch's count), on one thread inside
+    the block; the count is process-wide, so it is given back after. For work where a second
+    thread gains little and, on a busy machine, waits for a descheduled one: a greedy step
+    over a small vocabulary, memory-bound weight conversion, timing one core."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

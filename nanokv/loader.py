@@ -7,7 +7,6 @@ missing or unexpected tensor is a ValueError that names it.
 from __future__ import annotations
 
 import contextlib
-
 import glob
 import json
 import os
@@ -16,6 +15,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from nanokv.cpu_threads import one_thread
 from nanokv.gguf import GGUFCheckpoint, config_source, find_gguf
 from nanokv.layers.linear import default_weight_loader
 from nanokv.model_config import HF_TENSORS, ConfigSource, check_layer_count, check_model_config
@@ -180,7 +180,10 @@ def build_model(model_cls, hf_config, model_dir: str, dtype: torch.dtype, device
         if weight_cache.restore(entry, model, kernels):
             return model.eval()
     model = _instantiate(model_cls, hf_config, dtype, device, max_positions, tp)
-    with _conversion_threads(device):
+    # on the CPU on one thread: the copies are memory-bound and gain little from a second,
+    # while on a busy machine a waiting worker took the core from the thread doing the work
+    # (SmolLM2 on a loaded 2-core machine: 2.0-2.4 s on one thread, 3.7-4.6 s on two)
+    with one_thread() if device.type == "cpu" else contextlib.nullcontext():
         load_weights(model, model_dir)
         model = model.to(device).eval()
         if kernels is not None:
@@ -188,24 +191,6 @@ def build_model(model_cls, hf_config, model_dir: str, dtype: torch.dtype, device
     if entry is not None:
         weight_cache.store(entry, model)
     return model
-
-
-@contextlib.contextmanager
-def _conversion_threads(device: torch.device):
-    """On the CPU, the weights are converted (dequantized, copied, packed) on one torch
-    thread: the copies are memory-bound and gain little from a second thread, while on a
-    busy machine torch's waiting OpenMP workers took the cores from the thread doing the
-    work (SmolLM2's conversion: 2.0-2.4 s on one thread against 3.7-4.6 s on two, a
-    2-core machine under load). torch's thread count is process-wide: restored after."""
-    if device.type != "cpu":
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _instantiate(model_cls, hf_config, dtype: torch.dtype, device: torch.device, max_positions: int, tp):

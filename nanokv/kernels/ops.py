@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 import nanokv.kernels.build as build
+from nanokv.cpu_threads import one_thread
 from nanokv.fileio import write_durably
 from nanokv.kernels.ffi import NkLayer, NkStep, lib, ptr
 
@@ -255,12 +256,8 @@ def time_int8_layouts() -> dict[str, dict[str, float]]:
     through LAYOUT_COPIES weights of LAYOUT_SHAPE, layouts alternating round by round, on
     one thread: what each layout costs a core, which other processes on the machine's
     cores change far less than a parallel region's (its threads wait for each other)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the kernels follow (ffi.lib)
-    try:
+    with one_thread():
         return _time_int8_layouts()
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _time_int8_layouts() -> dict[str, dict[str, float]]:

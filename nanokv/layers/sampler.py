@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import math
 from array import array
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -48,6 +47,7 @@ import torch.nn.functional as F
 
 import nanokv.kernels as kernels
 import nanokv.kernels.ops as ops
+from nanokv.cpu_threads import one_thread
 
 CANDIDATES = 64  # tokens sorted per row when top_k is off (SmolLM2 at T 0.8: 88% of nuclei fit)
 _CHUNK_BYTES = 4 << 20  # CPU: rows of token weights per chunk
@@ -165,22 +165,6 @@ def _block_argmax(logits: torch.Tensor, block: int) -> torch.Tensor:
     first = (block_max == row_max).to(torch.uint8).argmax(dim=1)  # [N] the first block holding it
     within = blocks[torch.arange(n), first].argmax(dim=1)  # [N, block] -> [N]
     return first * block + within
-
-
-@contextmanager
-def one_thread():
-    """torch's CPU ops on one thread inside the block. For work of tens of microseconds
-    (a greedy step over a small vocabulary): an OpenMP fork/join saves little on an idle
-    machine, and on a busy one waits milliseconds for a descheduled worker thread."""
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 class Sampler:
