@@ -86,7 +86,7 @@ class PackedWeight:
     """W [n, k] packed once for the GEMM kernels, in panels of NR output columns (zero padded):
     float32 data [panels, k, NR] (data[p, k, j] = W[p * NR + j, k]); bfloat16 the same with
     each panel's columns in BF16_ORDER; int8 a byte tensor [panels, panel_bytes] (csrc/gemm.h:
-    blocks of 32 k, column sums, column scales); int8w a byte tensor [panels, k * NR + 4 *
+    blocks of 32 k, then the column scales); int8w a byte tensor [panels, k * NR + 4 *
     NR] (the int8 weights as float32's [k, NR], then the column scales)."""
 
     data: torch.Tensor
@@ -127,7 +127,7 @@ class PackedWeight:
 
 BF16_ORDER = [j // 2 + (j % 2) * 8 for j in range(NR)]  # 0, 8, 1, 9, ..: the columns of a bfloat16 panel row
 _BF16_INVERSE = [BF16_ORDER.index(j) for j in range(NR)]
-_Q8_BLOCK = QB * NR + NR * 4  # bytes per block of QB k in an int8 panel: weights, then 128 * column sums
+_Q8_BLOCK = QB * NR  # bytes per block of QB k in an int8 panel: its weights
 
 
 def int8_panel_bytes(k: int) -> int:
@@ -185,9 +185,7 @@ def _pack_int8(weight: torch.Tensor, panels: int) -> torch.Tensor:
     out = huge_pages(torch.empty(panels, int8_panel_bytes(k), dtype=torch.uint8))
     blocks = out[:, :nb * _Q8_BLOCK].view(panels, nb, _Q8_BLOCK)
     quads = qp.view(panels, NR, nb, QB // 4, 4).permute(0, 2, 3, 1, 4)  # [panel, block, quad, column, 4]
-    blocks[:, :, :QB * NR] = quads.reshape(panels, nb, QB * NR).view(torch.uint8)
-    sums = qp.view(panels, NR, nb, QB).sum(-1, dtype=torch.int32).permute(0, 2, 1) * 128  # [panel, block, column]
-    blocks[:, :, QB * NR:] = sums.contiguous().view(torch.uint8).view(panels, nb, NR * 4)
+    blocks[:] = quads.reshape(panels, nb, QB * NR).view(torch.uint8)
     out[:, nb * _Q8_BLOCK:] = sp.view(panels, NR).view(torch.uint8)
     return out
 

@@ -132,7 +132,7 @@ def test_gemms_are_bit_identical_across_widths_and_instruction_sets(format, monk
     """Output columns sit in vector lanes and K is summed in order, so the width changes no
     GEMM result; int8 block sums are exact integers, so its plain-C path (what a machine
     without AVX2 or VNNI runs) gives the intrinsics' results bit for bit, and so does the
-    VNNI paths' arithmetic (activations stored + 128, the packed column sums taken off)."""
+    VNNI paths' arithmetic (weights taken as w + 128, 128 * the activation block sums taken off)."""
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(70, 136, generator=g), torch.randn(75, 136, generator=g)
     packed, gate_up = kernels.pack_weight(w, format), kernels.pack_gate_up(w[:40], w[35:], format)

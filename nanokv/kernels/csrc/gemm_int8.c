@@ -2,50 +2,58 @@
  * products per block on whatever the compiler targets (AVX512-VNNI, AVX-VNNI, AVX2, plain
  * C: all give the same integers and the same floats), panel layout in gemm.h. */
 #include "gemm.h"
+#ifndef NK_Q8PF
+#define NK_Q8PF 1
+#endif
 
 #if !defined(NK_PORTABLE) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define Q8_VNNI512
 #define Q8_ISA "avx512vnni"
-#define Q8_UNSIGNED 1 /* activations stored as x + 128 */
+#define Q8_OFFSET 1 /* weights taken as unsigned (w + 128): what the dot product multiplies */
 #define MRQ 8
 #elif !defined(NK_PORTABLE) && defined(__AVXVNNI__)
 #define Q8_AVXVNNI
 #define Q8_ISA "avxvnni"
-#define Q8_UNSIGNED 1
+#define Q8_OFFSET 1
 #define MRQ 3 /* 16 ymm registers: 3 rows x (2 int32 + 2 float32 accumulators) and the weights */
 #elif !defined(NK_PORTABLE) && defined(__AVX2__) && defined(__FMA__) && defined(__FMA__)
 #define Q8_AVX2
 #define Q8_ISA "avx2"
-#define Q8_UNSIGNED 0
+#define Q8_OFFSET 0
 #define MRQ 3 /* 4 rows spill (measured: 1.6x slower) */
 #else
 #define Q8_GENERIC
-#ifdef NK_INT8_OFFSET /* the VNNI paths' arithmetic in plain C (unsigned activations, column sums): tests */
+#ifdef NK_INT8_OFFSET /* the VNNI paths' arithmetic in plain C (weights + 128, activation sums): tests */
 #define Q8_ISA "generic-offset"
-#define Q8_UNSIGNED 1
+#define Q8_OFFSET 1
 #else
 #define Q8_ISA "generic"
-#define Q8_UNSIGNED 0
+#define Q8_OFFSET 0
 #endif
 #define MRQ 4
 #endif
 
 long nk_q8_padded_k(long K) { return (K + QB - 1) / QB * QB; }
 
-/* x [K] -> q [Kp] (zero padded; + 128 as unsigned bytes for VNNI), s [Kp / QB]:
- * s = max |x| / 127 over the block, q = rint(x * (127 / max |x|)) (0 for an all-zero block) */
-static void quantize_row(const float *x, long K, long Kp, int8_t *q, float *s) {
+/* x [K] -> q [Kp] (zero padded), s [Kp / QB], o [Kp / QB]: s = max |x| / 127 over the
+ * block, q = rint(x * (127 / max |x|)) (0 for an all-zero block), o = 128 * the block's sum
+ * of q: a VNNI dot product multiplies unsigned bytes by signed ones, so it takes the weights
+ * as w + 128 and o comes off its sum */
+static void quantize_row(const float *x, long K, long Kp, int8_t *q, float *s, int32_t *o) {
     for (long b = 0; b < Kp / QB; b++) {
         long k0 = b * QB, n = K - k0 < QB ? K - k0 : QB;
         float amax = 0.0f;
         for (long i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[k0 + i]));
         float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         s[b] = amax / 127.0f;
+        int32_t sum = 0;
         for (long i = 0; i < QB; i++) {
             float v = i < n ? rintf(x[k0 + i] * inv) : 0.0f;
             v = fminf(fmaxf(v, -127.0f), 127.0f);
-            q[k0 + i] = (int8_t)((int)v + (Q8_UNSIGNED ? 128 : 0));
+            q[k0 + i] = (int8_t)(int)v;
+            sum += (int)v;
         }
+        o[b] = 128 * sum;
     }
 }
 
@@ -57,8 +65,9 @@ static void quantize_row(const float *x, long K, long Kp, int8_t *q, float *s) {
     long Kp = g->Kp, nb = Kp / QB;                                                          \
     const int8_t *qx = g->qx + m * Kp;                                                      \
     const float *sx = g->sx + m * nb;                                                       \
-    const char *pb = pf ? pf : wp; /* lines to prefetch: the next panel's (or this one's) */ \
-    float f[MRQ][NR];
+    const int32_t *ox = g->ox + m * nb;                                                     \
+    float f[MRQ][NR];                                                                       \
+    (void)ox;
 
 /* f[r] * column scale, then the GEMM or gate/up epilogue */
 static inline __attribute__((always_inline)) void q8_store(const float (*f)[NR], const char *wp, long nb, float *out,
@@ -80,26 +89,26 @@ static inline __attribute__((always_inline)) void q8_tile(const struct gemm *g, 
                                                           const float *bias, const int ROWS, const int glu) {
     Q8_TILE_BEGIN
 #if defined(Q8_VNNI512)
-    /* activations are stored + 128 (unsigned); the block's 128 * column sums come off */
+    /* the weights as unsigned bytes (w + 128: the sign bit flipped), the activations' 128 *
+     * block sums off each row's sum */
     __m512 fa[MRQ];
+    const __m512i flip = _mm512_set1_epi8(-128);
     for (int r = 0; r < ROWS; r++) fa[r] = _mm512_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const char *wb = wp + b * Q8_BLOCK_BYTES;
         __m512i a[MRQ];
-        for (int r = 0; r < ROWS; r++) a[r] = _mm512_setzero_si512();
+        for (int r = 0; r < ROWS; r++) a[r] = _mm512_set1_epi32(-ox[r * nb + b]);
         for (int q = 0; q < QB / 4; q++) {
-            __builtin_prefetch(pb + b * Q8_BLOCK_BYTES + q * 64, 0, 3);
-            __m512i w = _mm512_loadu_si512((const void *)(wb + q * 64));
+            if (pf) __builtin_prefetch(pf + b * Q8_BLOCK_BYTES + q * 64, 0, 3);
+            __m512i w = _mm512_xor_si512(_mm512_loadu_si512((const void *)(wb + q * 64)), flip);
             for (int r = 0; r < ROWS; r++) {
                 int32_t xq;
                 memcpy(&xq, qx + r * Kp + b * QB + q * 4, 4);
-                a[r] = _mm512_dpbusd_epi32(a[r], _mm512_set1_epi32(xq), w);
+                a[r] = _mm512_dpbusd_epi32(a[r], w, _mm512_set1_epi32(xq));
             }
         }
-        __m512i sums = _mm512_loadu_si512((const void *)(wb + QB * NR));
         for (int r = 0; r < ROWS; r++)
-            fa[r] = _mm512_fmadd_ps(_mm512_set1_ps(sx[r * nb + b]), _mm512_cvtepi32_ps(_mm512_sub_epi32(a[r], sums)),
-                                    fa[r]);
+            fa[r] = _mm512_fmadd_ps(_mm512_set1_ps(sx[r * nb + b]), _mm512_cvtepi32_ps(a[r]), fa[r]);
     }
     for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(f[r], fa[r]);
 #elif defined(Q8_AVXVNNI) || defined(Q8_AVX2)
@@ -107,15 +116,20 @@ static inline __attribute__((always_inline)) void q8_tile(const struct gemm *g, 
     for (int r = 0; r < ROWS; r++) fa[r][0] = fa[r][1] = _mm256_setzero_ps();
 #ifdef Q8_AVX2
     const __m256i ones = _mm256_set1_epi16(1);
+#else
+    const __m256i flip = _mm256_set1_epi8(-128);
 #endif
     for (long b = 0; b < nb; b++) {
         const char *wb = wp + b * Q8_BLOCK_BYTES;
         __m256i a[MRQ][2];
-        for (int r = 0; r < ROWS; r++) a[r][0] = a[r][1] = _mm256_setzero_si256();
+        for (int r = 0; r < ROWS; r++) a[r][0] = a[r][1] = _mm256_set1_epi32(Q8_OFFSET ? -ox[r * nb + b] : 0);
         for (int q = 0; q < QB / 4; q++) { /* unrolled, GCC spills the accumulators */
-            __builtin_prefetch(pb + b * Q8_BLOCK_BYTES + q * 64, 0, 3);
+            if (pf) __builtin_prefetch(pf + b * Q8_BLOCK_BYTES + q * 64, 0, 3);
             __m256i w0 = _mm256_loadu_si256((const __m256i *)(wb + q * 64));
             __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + q * 64 + 32));
+#ifdef Q8_AVXVNNI
+            w0 = _mm256_xor_si256(w0, flip), w1 = _mm256_xor_si256(w1, flip); /* w + 128, unsigned */
+#endif
 #ifdef Q8_AVX2
             /* maddubs multiplies unsigned by signed bytes: |w| by x with w's sign, adjacent
              * pairs summed to int16 (at most 2 * 127 * 127: no saturation), then pairs of those */
@@ -129,16 +143,11 @@ static inline __attribute__((always_inline)) void q8_tile(const struct gemm *g, 
                 a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_sign_epi8(xv, w0)), ones));
                 a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_sign_epi8(xv, w1)), ones));
 #else
-                a[r][0] = _mm256_dpbusd_avx_epi32(a[r][0], xv, w0);
-                a[r][1] = _mm256_dpbusd_avx_epi32(a[r][1], xv, w1);
+                a[r][0] = _mm256_dpbusd_avx_epi32(a[r][0], w0, xv);
+                a[r][1] = _mm256_dpbusd_avx_epi32(a[r][1], w1, xv);
 #endif
             }
         }
-#ifdef Q8_AVXVNNI
-        __m256i s0 = _mm256_loadu_si256((const __m256i *)(wb + QB * NR));
-        __m256i s1 = _mm256_loadu_si256((const __m256i *)(wb + QB * NR + 32));
-        for (int r = 0; r < ROWS; r++) a[r][0] = _mm256_sub_epi32(a[r][0], s0), a[r][1] = _mm256_sub_epi32(a[r][1], s1);
-#endif
         for (int r = 0; r < ROWS; r++) {
             __m256 s = _mm256_set1_ps(sx[r * nb + b]);
             fa[r][0] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(a[r][0]), fa[r][0]);
@@ -153,20 +162,16 @@ static inline __attribute__((always_inline)) void q8_tile(const struct gemm *g, 
     for (long b = 0; b < nb; b++) {
         const char *wb = wp + b * Q8_BLOCK_BYTES;
         vq a[MRQ];
-        for (int r = 0; r < ROWS; r++) a[r] = (vq){};
+        for (int r = 0; r < ROWS; r++) a[r] = (vq){} - (Q8_OFFSET ? ox[r * nb + b] : 0);
         for (int q = 0; q < QB / 4; q++) {
-            __builtin_prefetch(pb + b * Q8_BLOCK_BYTES + q * 64, 0, 3);
+            if (pf) __builtin_prefetch(pf + b * Q8_BLOCK_BYTES + q * 64, 0, 3);
             vq w = *(const vqu *)(wb + q * 64);
             for (int i = 0; i < 4; i++) {
                 vq wi = (w << (24 - 8 * i)) >> 24; /* byte i of each column, sign-extended */
-                for (int r = 0; r < ROWS; r++) {
-                    int8_t xb = qx[r * Kp + b * QB + q * 4 + i];
-                    a[r] += wi * (Q8_UNSIGNED ? (int32_t)(uint8_t)xb : (int32_t)xb);
-                }
+                if (Q8_OFFSET) wi += 128;          /* the VNNI paths' unsigned weights */
+                for (int r = 0; r < ROWS; r++) a[r] += wi * (int32_t)qx[r * Kp + b * QB + q * 4 + i];
             }
         }
-        if (Q8_UNSIGNED)
-            for (int r = 0; r < ROWS; r++) a[r] -= *(const vqu *)(wb + QB * NR); /* 128 * column sums */
         for (int r = 0; r < ROWS; r++)
             for (int j = 0; j < NR; j++) f[r][j] = fmaf(sx[r * nb + b], (float)a[r][j], f[r][j]);
     }
@@ -206,13 +211,14 @@ struct quantize_call {
     long K, Kp;
     int8_t *qx;
     float *sx;
+    int32_t *ox;
 };
 
 static void quantize_task(void *ctx, struct nk_team *team) {
     const struct quantize_call *c = ctx;
     long K = c->K, Kp = c->Kp, nb = Kp / QB;
     for (long m0, m1; nk_next(team, &m0, &m1);)
-        for (long m = m0; m < m1; m++) quantize_row(c->x + m * K, K, Kp, c->qx + m * Kp, c->sx + m * nb);
+        for (long m = m0; m < m1; m++) quantize_row(c->x + m * K, K, Kp, c->qx + m * Kp, c->sx + m * nb, c->ox + m * nb);
 }
 
 /* x quantized row by row (quantize_row), then every panel against every row */
@@ -222,12 +228,14 @@ void nk_gemm_q8(struct gemm *g, int glu) {
     long nb = g->Kp / QB;
     int8_t *qx = malloc(M * g->Kp + 1);
     float *sx = malloc(sizeof(float) * (M * nb + 1));
-    struct quantize_call c = {g->x, K, g->Kp, qx, sx};
+    int32_t *ox = malloc(sizeof(int32_t) * (M * nb + 1));
+    struct quantize_call c = {g->x, K, g->Kp, qx, sx, ox};
     nk_parallel(M, nk_chunk(M), M * K >= 32768, quantize_task, &c);
-    g->qx = qx, g->sx = sx;
+    g->qx = qx, g->sx = sx, g->ox = ox;
     run_panels(glu ? GLU_Q8 : GEMM_Q8, MRQ, g);
     free(qx);
     free(sx);
+    free(ox);
 }
 
 const char *nk_int8_isa(void) { return Q8_ISA; }
